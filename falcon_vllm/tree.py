@@ -1,0 +1,393 @@
+"""Static decoding trees for semi-autoregressive (SAR) drafting.
+
+A tree is a list of *rank paths*.  Path ``[r1, ..., rd]`` is a node at depth ``d``: its token is
+candidate rank ``r1`` of the level-1 drafter row, then rank ``r2`` of the level-2 row under it,
+and so on.  Every prefix of a path must be in the tree.  The root is implicit: it is the pending
+token (the last token sampled by the target, not yet in its KV cache), at depth 0.
+
+With block size ``k`` the drafter predicts ``k`` levels per forward pass (Falcon, Gao et al.,
+AAAI 2025).  Pass 1 (the *chunk* pass over the newly accepted tokens) gives the candidate rows
+for levels ``1..k``.  Pass ``q+1`` runs one ``k``-token block per *expansion node* at depth
+``k*q`` (a node at that depth with descendants); the block's rows give levels
+``k*q+1 .. k*q+k`` below that node.  ``k = 1`` gives an EAGLE-style static tree.
+
+Unlike the official Falcon code we honour rank values (siblings are not renumbered) and reject
+duplicate or orphan paths.
+
+Slot numbering used by every engine: slot 0 is the root, slot ``i + 1`` is ``nodes[i]``; nodes are
+sorted by ``(depth, path)``, so parents always precede children.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """What one drafter pass computes.
+
+    Pass 1 has one block (the chunk's prediction block, ``expansion_slots == [0]``).  Pass q+1
+    has one block per expansion node at depth ``k*q``.
+
+    Attributes:
+        expansion_slots: [n_blocks] slot of the node each block expands (0 = root).
+        input_slots: [n_blocks, k] slots whose tokens are the block's input tokens (the k nodes on
+            the expansion node's path at levels k(q-1)+1 .. kq); empty for pass 1.
+        feature_rows: [n_blocks, k] rows of the *previous* pass's output whose predicted features
+            are the block's input features; empty for pass 1.
+        parent_block: [n_blocks] index, in the previous pass, of the block that produced this
+            block's input (its ancestor block); -1 for pass 1.
+    """
+
+    expansion_slots: torch.Tensor
+    input_slots: torch.Tensor
+    feature_rows: torch.Tensor
+    parent_block: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.expansion_slots.numel())
+
+
+class DecodingTree:
+    """A validated static decoding tree for block size ``k``.
+
+    Args:
+        paths: rank paths, e.g. ``[[0], [1], [0, 0]]``.  Order does not matter.
+        k: drafter block size (tokens predicted per drafter pass), ``k >= 1``.
+        name: optional label (preset name) used in logs and metrics.
+
+    Raises:
+        ValueError: empty tree, a path of depth 0, a negative or non-integer rank, a duplicate
+            path, or a path whose prefix is missing.
+    """
+
+    def __init__(self, paths: Sequence[Sequence[int]], k: int, name: str | None = None):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"DecodingTree: block size k must be an integer >= 1, got {k!r}")
+        paths = list(paths)
+        if not paths:
+            raise ValueError("DecodingTree: the tree has no paths; give at least one, e.g. [[0]]")
+        seen: set[Path] = set()
+        norm: list[Path] = []
+        for p in paths:
+            if isinstance(p, (int, str)) or not isinstance(p, Sequence):
+                raise ValueError(f"DecodingTree: each path must be a list of ranks, got {p!r}")
+            if len(p) == 0:
+                raise ValueError("DecodingTree: a path of depth 0 (empty list) is not a node; "
+                                 "the root is implicit")
+            for r in p:
+                if not isinstance(r, int) or isinstance(r, bool):
+                    raise ValueError(f"DecodingTree: rank {r!r} in path {list(p)} is not an integer")
+                if r < 0:
+                    raise ValueError(f"DecodingTree: negative rank {r} in path {list(p)}")
+            t = tuple(int(r) for r in p)
+            if t in seen:
+                raise ValueError(f"DecodingTree: duplicate path {list(t)}")
+            seen.add(t)
+            norm.append(t)
+        for t in norm:
+            if len(t) > 1 and t[:-1] not in seen:
+                raise ValueError(f"DecodingTree: path {list(t)} has no parent {list(t[:-1])} "
+                                 "(every prefix of a path must also be a path)")
+        self.k = k
+        self.name = name
+        self.nodes: list[Path] = sorted(norm, key=lambda t: (len(t), t))
+        self._slot = {t: i + 1 for i, t in enumerate(self.nodes)}
+        self._slot[()] = 0
+
+    # ------------------------------------------------------------------ basic sizes
+    @property
+    def num_nodes(self) -> int:
+        """Number of draft nodes (the root excluded)."""
+        return len(self.nodes)
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens the target verifies per request: root + nodes."""
+        return len(self.nodes) + 1
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.nodes[-1])
+
+    @property
+    def num_passes(self) -> int:
+        """Drafter forward passes per round: ceil(max_depth / k)."""
+        return math.ceil(self.max_depth / self.k)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(t == (0,) * len(t) for t in self.nodes)
+
+    def slot_of(self, path: Sequence[int]) -> int:
+        return self._slot[tuple(path)]
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def __repr__(self) -> str:
+        label = f"{self.name!r}, " if self.name else ""
+        return (f"DecodingTree({label}k={self.k}, nodes={self.num_nodes}, depth={self.max_depth}, "
+                f"passes={self.num_passes})")
+
+    # ------------------------------------------------------------------ per-slot tensors
+    @cached_property
+    def depth(self) -> torch.Tensor:
+        """[num_slots] int64 depth of each slot (root 0).  Also the position offset from the root."""
+        return torch.tensor([0] + [len(t) for t in self.nodes], dtype=torch.long)
+
+    @property
+    def position_offsets(self) -> torch.Tensor:
+        """[num_slots] int64: absolute position = root position + offset."""
+        return self.depth
+
+    @cached_property
+    def parent(self) -> torch.Tensor:
+        """[num_slots] int64 parent slot of each slot (root: -1)."""
+        return torch.tensor([-1] + [self._slot[t[:-1]] for t in self.nodes], dtype=torch.long)
+
+    @cached_property
+    def rank(self) -> torch.Tensor:
+        """[num_slots] int64 candidate rank of each slot in its drafter row (root: -1)."""
+        return torch.tensor([-1] + [t[-1] for t in self.nodes], dtype=torch.long)
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """[num_slots, num_slots] bool: ``mask[i, j]`` iff slot j is slot i or one of its ancestors.
+
+        This is the attention mask among in-flight tree tokens (the committed prefix is visible to
+        all of them).
+        """
+        n = self.num_slots
+        m = torch.zeros(n, n, dtype=torch.bool)
+        par = self.parent.tolist()
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = par[j]
+        return m
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[slot] = child slots in rank order (ascending rank)."""
+        ch: list[list[int]] = [[] for _ in range(self.num_slots)]
+        for i, t in enumerate(self.nodes):
+            ch[self._slot[t[:-1]]].append(i + 1)
+        for c in ch:
+            c.sort(key=lambda s: self.nodes[s - 1][-1])
+        return ch
+
+    @cached_property
+    def leaf_paths(self) -> torch.Tensor:
+        """[num_leaves, max_depth] int64 slots of each root-to-leaf path (root excluded), -1 padded."""
+        rows = []
+        for i, t in enumerate(self.nodes):
+            if not self.children[i + 1]:
+                row = [self._slot[t[:d]] for d in range(1, len(t) + 1)]
+                rows.append(row + [-1] * (self.max_depth - len(row)))
+        return torch.tensor(rows, dtype=torch.long)
+
+    # ------------------------------------------------------------------ drafting plan
+    @cached_property
+    def passes(self) -> list[PassPlan]:
+        """The drafting plan: ``passes[p]`` is drafter pass p+1 (see :class:`PassPlan`)."""
+        k = self.k
+        plans = [PassPlan(expansion_slots=torch.tensor([0]),
+                          input_slots=torch.zeros(1, 0, dtype=torch.long),
+                          feature_rows=torch.zeros(1, 0, dtype=torch.long),
+                          parent_block=torch.tensor([-1]))]
+        block_of: dict[Path, int] = {(): 0}  # expansion node -> block index in its pass
+        for q in range(1, self.num_passes):
+            exp = [t for t in self.nodes if len(t) == k * q and self.children[self._slot[t]]]
+            exp_slots, inputs, frows, pblocks = [], [], [], []
+            for j, t in enumerate(exp):
+                anc = t[: k * (q - 1)]
+                b = block_of[anc]
+                exp_slots.append(self._slot[t])
+                inputs.append([self._slot[t[:d]] for d in range(k * (q - 1) + 1, k * q + 1)])
+                frows.append([b * k + r for r in range(k)])
+                pblocks.append(b)
+            for j, t in enumerate(exp):
+                block_of[t] = j
+            plans.append(PassPlan(expansion_slots=torch.tensor(exp_slots, dtype=torch.long),
+                                  input_slots=torch.tensor(inputs, dtype=torch.long).view(-1, k),
+                                  feature_rows=torch.tensor(frows, dtype=torch.long).view(-1, k),
+                                  parent_block=torch.tensor(pblocks, dtype=torch.long)))
+        self._block_of = block_of
+        return plans
+
+    @cached_property
+    def node_source(self) -> torch.Tensor:
+        """[num_nodes, 3] int64: (pass index p (0-based), row in that pass's output, rank).
+
+        Row ``b*k + r`` of pass p is level ``p*k + r + 1`` under block b of that pass.
+        """
+        self.passes  # builds _block_of
+        k = self.k
+        rows = []
+        for t in self.nodes:
+            d = len(t)
+            p = (d - 1) // k
+            anc = t[: k * p]
+            rows.append([p, self._block_of[anc] * k + (d - 1) % k, t[-1]])
+        return torch.tensor(rows, dtype=torch.long)
+
+    @cached_property
+    def topk(self) -> int:
+        """Candidates needed per drafter row: 1 + the largest rank in the tree."""
+        return 1 + max(t[-1] for t in self.nodes)
+
+    def rows_per_pass(self) -> list[int]:
+        return [pl.num_blocks * self.k for pl in self.passes]
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_list(self) -> list[list[int]]:
+        return [list(t) for t in self.nodes]
+
+    def describe(self) -> dict:
+        per_depth = [sum(1 for t in self.nodes if len(t) == d) for d in range(1, self.max_depth + 1)]
+        return {"name": self.name, "k": self.k, "nodes": self.num_nodes, "depth": self.max_depth,
+                "nodes_per_depth": per_depth, "drafter_passes": self.num_passes,
+                "rows_per_pass": self.rows_per_pass(), "leaves": int(self.leaf_paths.shape[0])}
+
+
+# ---------------------------------------------------------------------- presets
+# The official Falcon trees (FALCON_REFERENCE.md 4.5).  `kmask2_8layer_tree` lists [0,1,0,0]
+# twice; it is kept once here.
+def _paper_vicuna() -> list[list[int]]:
+    d1 = [[i] for i in range(20)]
+    d2 = [[0, i] for i in range(10)] + [[1, 0], [1, 1], [2, 0], [2, 1], [3, 0]]
+    d3 = ([[0, 0, i] for i in range(10)] +
+          [[0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [0, 3, 0], [1, 0, 0], [1, 0, 1], [2, 0, 0],
+           [3, 0, 0]])
+    d4 = ([[0, 0, 0, i] for i in range(10)] +
+          [[0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 2, 0], [0, 1, 0, 0], [0, 1, 0, 1], [0, 1, 1, 0],
+           [0, 2, 0, 0], [0, 2, 1, 0], [0, 3, 0, 0], [1, 0, 0, 0], [1, 0, 0, 1], [2, 0, 0, 0],
+           [3, 0, 0, 0]])
+    d5 = ([[0, 0, 0, 0, i] for i in range(10)] +
+          [[0, 0, 0, 1, 0], [0, 0, 0, 1, 1], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0],
+           [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 3, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0],
+           [3, 0, 0, 0, 0]])
+    d6 = ([[0, 0, 0, 0, 0, i] for i in range(9)] +
+          [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 2, 0], [0, 0, 0, 1, 0, 0],
+           [0, 0, 0, 1, 1, 0], [0, 0, 0, 2, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0],
+           [0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0], [0, 3, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0],
+           [2, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0]])
+    d7 = ([[0, 0, 0, 0, 0, 0, i] for i in range(9)] +
+          [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 2, 0], [0, 0, 0, 0, 1, 0, 0],
+           [0, 0, 0, 1, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0], [0, 0, 2, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0],
+           [0, 2, 0, 0, 0, 0, 0], [0, 3, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0]])
+    d8 = ([[0, 0, 0, 0, 0, 0, 0, i] for i in range(8)] +
+          [[0, 0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 2, 0],
+           [0, 0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 2, 0, 0],
+           [0, 0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0],
+           [0, 0, 2, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0, 0, 0],
+           [0, 3, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 0]])
+    return d1 + d2 + d3 + d4 + d5 + d6 + d7 + d8
+
+
+def _paper_llama() -> list[list[int]]:
+    z = lambda n: [0] * n  # noqa: E731
+    d1 = [[i] for i in range(20)]
+    d2 = [[0, i] for i in range(11)] + [[1, i] for i in range(4)] + [[2, i] for i in range(4)]
+    d3 = ([[0, 0, i] for i in range(7)] + [[0, 1, 0], [0, 2, 0], [0, 3, 0]] +
+          [[0, 1, i] for i in range(3, 10)] + [[1, 0, 0], [2, 0, 0]])
+    d4 = ([[0, 0, 0, i] for i in range(10)] +
+          [[0, 1, 0, 0], [0, 2, 0, 0], [0, 3, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0]])
+    d5 = ([z(4) + [i] for i in range(10)] +
+          [[0, 0, 0, 1, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 3, 0, 0, 0], [1] + z(4), [2] + z(4)])
+    d6 = ([z(5) + [i] for i in range(4)] +
+          [[0, 0, 0, 1, 0, 0], [0, 1] + z(4), [0, 2] + z(4), [0, 3] + z(4), [1] + z(5), [2] + z(5)])
+    d7 = ([z(6) + [i] for i in range(4)] +
+          [[0, 0, 0, 1, 0, 0, 0], [0, 1] + z(5), [0, 2] + z(5), [0, 3] + z(5), [1] + z(6), [2] + z(6)])
+    d8 = ([z(7) + [i] for i in range(3)] +
+          [[0, 0, 0, 1] + z(4), [0, 1] + z(6), [0, 2] + z(6), [0, 3] + z(6), [1] + z(7), [2] + z(7)])
+    return d1 + d2 + d3 + d4 + d5 + d6 + d7 + d8
+
+
+def chain_paths(length: int) -> list[list[int]]:
+    if length < 1:
+        raise ValueError(f"a chain needs length >= 1, got {length}")
+    return [[0] * d for d in range(1, length + 1)]
+
+
+def full_tree_paths(widths: Sequence[int]) -> list[list[int]]:
+    """Every combination: widths[d] children per node at depth d (e.g. [4, 2, 1])."""
+    out: list[list[int]] = []
+    frontier: list[list[int]] = [[]]
+    for w in widths:
+        frontier = [p + [r] for p in frontier for r in range(w)]
+        out += frontier
+    return out
+
+
+PRESETS = {
+    "falcon-vicuna": _paper_vicuna,  # kmask2_8layer_tree (paper Fig. 5 skeleton), 165 nodes
+    "falcon-llama": _paper_llama,    # kmask2_8layer_tree_3 (paper Fig. 6), 118 nodes
+    # EAGLE-style k=1 trees: a small one that fits vLLM's per-step limits comfortably
+    "eagle-small": lambda: full_tree_paths([4, 2, 1, 1]),
+    "eagle-medium": lambda: full_tree_paths([6, 3, 2, 1, 1]),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS) + ["chain-<N>", "tree-<w1>x<w2>x..."]
+
+
+def build_tree(spec, k: int) -> DecodingTree:
+    """Build a tree from a preset name, a JSON/Python list string, a list of paths, or a file.
+
+    Accepted specs: ``"falcon-vicuna"``, ``"falcon-llama"``, ``"eagle-small"``, ``"chain-5"``,
+    ``"tree-4x2x1"`` (full tree with those widths per depth), a path to a JSON file holding a list
+    of paths (or ``{"paths": [...]}``), a literal list string ``"[[0],[1],[0,0]]"``, or a list.
+    """
+    if isinstance(spec, DecodingTree):
+        if spec.k != k:
+            return DecodingTree(spec.to_list(), k, spec.name)
+        return spec
+    if isinstance(spec, (list, tuple)):
+        return DecodingTree(spec, k)
+    if not isinstance(spec, str):
+        raise ValueError(f"tree must be a preset name, a list of paths or a file, got {spec!r}")
+    s = spec.strip()
+    if s in PRESETS:
+        return DecodingTree(PRESETS[s](), k, s)
+    if s.startswith("chain-") and s[6:].isdigit():
+        return DecodingTree(chain_paths(int(s[6:])), k, s)
+    if s.startswith("tree-"):
+        try:
+            widths = [int(w) for w in s[5:].split("x")]
+        except ValueError:
+            widths = []
+        if widths and all(w >= 1 for w in widths):
+            return DecodingTree(full_tree_paths(widths), k, s)
+    if s.startswith("["):
+        try:
+            paths = json.loads(s)
+        except json.JSONDecodeError:
+            try:
+                paths = ast.literal_eval(s)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(f"tree: cannot parse {s[:60]!r} as a list of paths: {e}") from None
+        return DecodingTree(paths, k)
+    import os
+    if os.path.isfile(s):
+        with open(s) as f:
+            data = json.load(f)
+        if isinstance(data, dict):
+            data = data.get("paths", data.get("tree"))
+        return DecodingTree(data, k, os.path.basename(s))
+    raise ValueError(f"unknown tree {spec!r}; use a preset ({', '.join(preset_names())}), a list of "
+                     "rank paths such as [[0],[1],[0,0]], or a JSON file of paths")
