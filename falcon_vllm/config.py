@@ -1,0 +1,196 @@
+"""FalconConfig: the drafter's hyper-parameters, stored as a Hugging Face-style ``config.json``.
+
+The file is a valid Llama (or Qwen2) config, so vLLM and transformers can parse it, with the
+Falcon-specific settings under the ``"falcon"`` key::
+
+    {"model_type": "llama", "architectures": ["EagleFalconForCausalLM"], "hidden_size": 576, ...,
+     "num_hidden_layers": 1,
+     "falcon": {"k": 2, "fusion": "lstm", "tree": "falcon-llama", "format_version": 1,
+                "target": {"hidden_size": 576, "vocab_size": 49152, "model_type": "llama"}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+ARCHITECTURE = "EagleFalconForCausalLM"  # name starts with "Eagle" so vLLM's EAGLEConfig keeps it
+FUSIONS = ("lstm", "fc")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class FalconConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int | None = None
+    num_layers: int = 1
+    k: int = 2
+    fusion: str = "lstm"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = False      # q/k/v biases (Qwen2 layers)
+    fc_bias: bool = False             # bias of the fc fusion (vLLM's EAGLE layout has none)
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    tree: str | None = None           # default decoding tree (preset name or list string)
+    target: dict[str, Any] = field(default_factory=dict)  # what the drafter was trained for
+    extra: dict[str, Any] = field(default_factory=dict)   # training provenance etc.
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"FalconConfig: fusion must be one of {FUSIONS}, got {self.fusion!r}")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"FalconConfig: k (tokens per drafter pass) must be an integer >= 1, got {self.k!r}")
+        if self.num_layers < 1:
+            raise ValueError(f"FalconConfig: num_layers must be >= 1, got {self.num_layers}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("FalconConfig: num_attention_heads must be a multiple of num_key_value_heads")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"FalconConfig: model_type {self.model_type!r} is not supported "
+                             f"(supported: {SUPPORTED_MODEL_TYPES})")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(cls, target_config, k: int = 2, fusion: str = "lstm", num_layers: int = 1,
+                    tree: str | None = None, **overrides) -> "FalconConfig":
+        """Drafter config whose decoder layers match the target's layer shapes."""
+        tc = target_config
+        model_type = getattr(tc, "model_type", "llama")
+        rope = getattr(tc, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+        kw = dict(
+            hidden_size=tc.hidden_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            intermediate_size=tc.intermediate_size,
+            vocab_size=tc.vocab_size,
+            num_layers=num_layers, k=k, fusion=fusion,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            attention_bias=bool(getattr(tc, "attention_bias", model_type == "qwen2")),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
+            model_type=model_type if model_type in SUPPORTED_MODEL_TYPES else "llama",
+            tree=tree,
+            target=target_signature(tc),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    # ------------------------------------------------------------------ checks
+    def check_target(self, target_config) -> None:
+        """Raise ValueError if this drafter cannot run on ``target_config``."""
+        problems = []
+        if self.hidden_size != target_config.hidden_size:
+            problems.append(f"hidden size {self.hidden_size} != target's {target_config.hidden_size}")
+        if self.vocab_size != target_config.vocab_size:
+            problems.append(f"vocabulary {self.vocab_size} != target's {target_config.vocab_size}")
+        if problems:
+            raise ValueError("this Falcon drafter was built for another target: " + "; ".join(problems)
+                             + f" (drafter trained for {self.target or 'unknown target'}); train one for "
+                             "this target with `falcon-vllm train`")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_hf_dict(self) -> dict:
+        d = {
+            "architectures": [ARCHITECTURE],
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "falcon": {
+                "format_version": FORMAT_VERSION,
+                "k": self.k,
+                "fusion": self.fusion,
+                "fc_bias": self.fc_bias,
+                "tree": self.tree,
+                "target": self.target,
+                **({"extra": self.extra} if self.extra else {}),
+            },
+        }
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config") -> "FalconConfig":
+        if "falcon" not in d or not isinstance(d["falcon"], dict):
+            raise ValueError(f"{source} is not a Falcon drafter config (no 'falcon' section); "
+                             "convert official checkpoints with `falcon-vllm convert`")
+        f = d["falcon"]
+        try:
+            rope = d.get("rope_parameters") or {}
+            return cls(
+                hidden_size=int(d["hidden_size"]),
+                num_attention_heads=int(d["num_attention_heads"]),
+                num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+                head_dim=d.get("head_dim"),
+                intermediate_size=int(d["intermediate_size"]),
+                vocab_size=int(d["vocab_size"]),
+                num_layers=int(d.get("num_hidden_layers", 1)),
+                k=int(f.get("k", 2)),
+                fusion=f.get("fusion", "lstm"),
+                fc_bias=bool(f.get("fc_bias", False)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+                attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", False))),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                model_type=d.get("model_type", "llama"),
+                tree=f.get("tree"),
+                target=f.get("target", {}) or {},
+                extra=f.get("extra", {}) or {},
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing key {e.args[0]!r} in the drafter config") from None
+
+    def save(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(self.to_hf_dict(), f, indent=2)
+
+    @classmethod
+    def load(cls, directory: str) -> "FalconConfig":
+        path = os.path.join(directory, "config.json")
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"Falcon drafter directory {directory!r} does not exist")
+        if not os.path.exists(path):
+            raise ValueError(f"{directory!r} is not a Falcon drafter: it has no config.json")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d, source=path)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def target_signature(target_config) -> dict:
+    """What identifies a target for a drafter: shapes and (if known) its name."""
+    return {
+        "model_type": getattr(target_config, "model_type", None),
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "num_hidden_layers": getattr(target_config, "num_hidden_layers", None),
+        "name": getattr(target_config, "_name_or_path", None) or None,
+    }

@@ -1,0 +1,293 @@
+"""FalconDrafter: the semi-autoregressive (SAR) drafter of Falcon (Gao et al., AAAI 2025), pure torch.
+
+Drafter position j reads ``[E(x_{j+1}); f_j]`` where E is the target's embedding and f_j the
+target's last hidden state after its final norm (EAGLE's one-step shift).  A fusion layer maps
+2H -> H (``lstm``: the official 2-layer LSTM applied per position from a zero state; ``fc``:
+EAGLE's Linear), then N Llama decoder layers (layer 0 without input norm, no final norm), then
+the target's frozen LM head.  The embedding and LM head are the target's, attached at run time
+with :meth:`FalconDrafter.attach_target`, and never stored in our checkpoints.
+
+SAR blocks: inside a chunk, a *relaxed* causal mask lets every position see its whole k-block;
+blocks are aligned to the END of the chunk (``chunk_mask``), so the last k positions always form
+one block.  Block position r (0..k-1) is trained to output f_{e+1+r} where e is the block's last
+position: one pass of the last block predicts the next k features, hence k tokens.
+
+Attention here takes an explicit boolean mask over ``[past ; new]`` keys, so the same module
+serves training (one chunk), the chunk pass and the tree passes of the reference engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from falcon_vllm.config import FalconConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [B, kv_heads, P, head_dim]
+
+
+# ---------------------------------------------------------------------- masks
+def chunk_mask(past_len: int, chunk_len: int, k: int, device=None) -> torch.Tensor:
+    """Relaxed block-causal mask for a chunk, blocks aligned to the chunk's end.
+
+    Returns [chunk_len, past_len + chunk_len] bool (True = may attend).  Every query sees the
+    whole past; chunk query i sees chunk key c iff c's block is not after i's block, where the
+    blocks are ``[T-k, T), [T-2k, T-k), ...`` (the first one may be partial).
+    """
+    i = torch.arange(chunk_len, device=device)
+    blk = (chunk_len - 1 - i) // k  # 0 for the last block, counting backwards
+    inner = blk[None, :] >= blk[:, None]  # [T, T]: key block at or before query block
+    past = torch.ones(chunk_len, past_len, dtype=torch.bool, device=device)
+    return torch.cat([past, inner], dim=1)
+
+
+# ---------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (Llama 'rotate_half' convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                              dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: FalconConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, mask, past):
+        """x [B, T, H]; positions [B, T]; mask [B, T, P+T] bool; past (K, V) [B, nkv, P, hd] or None.
+
+        Returns (out [B, T, H], (K_new, V_new) [B, nkv, T, hd] for the T new tokens).
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)   # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.hd, self.theta, q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if past is not None:
+            k_all, v_all = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        else:
+            k_all, v_all = k, v
+        rep = self.nh // self.nkv
+        if rep > 1:
+            k_all = k_all.repeat_interleave(rep, dim=1)
+            v_all = v_all.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None])  # [B, nh, T, hd]
+        o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        return self.o_proj(o), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: FalconConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: FalconConfig, index: int):
+        super().__init__()
+        # layer 0 reads the fusion output directly (no input norm), as in EAGLE and Falcon
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if index > 0 else nn.Identity()
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, mask, past):
+        a, kv = self.self_attn(self.input_layernorm(x), positions, mask, past)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class PositionwiseLSTM(nn.LSTM):
+    """Falcon's fusion: ``nn.LSTM(2H, H, num_layers=2)`` applied to each position from a zero state.
+
+    The official code calls the LSTM on a [1, T, 2H] tensor with ``batch_first=False``, i.e. a
+    sequence of length 1 with batch T: no recurrence over tokens.  We compute exactly that, so
+    official checkpoints load unchanged (``W_hh`` is kept but has no effect).
+    """
+
+    def __init__(self, hidden: int):
+        super().__init__(input_size=2 * hidden, hidden_size=hidden, num_layers=2, bias=True, dropout=0.1)
+
+    def forward(self, x):  # x [B, T, 2H] -> [B, T, H]
+        B, T, D = x.shape
+        out, _ = super().forward(x.reshape(1, B * T, D))
+        return out.reshape(B, T, -1)
+
+
+# ---------------------------------------------------------------------- the drafter
+class FalconDrafter(nn.Module):
+    """Falcon SAR drafter (see module docstring).  ``forward`` returns predicted features."""
+
+    def __init__(self, cfg: FalconConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        if cfg.fusion == "lstm":
+            self.lstm = PositionwiseLSTM(H)
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self._target: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
+
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    # -- target sharing -------------------------------------------------
+    def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "FalconDrafter":
+        """Share the target's embedding and LM head (kept outside this module's parameters)."""
+        w = embed_tokens.weight
+        if w.shape[1] != self.config.hidden_size or w.shape[0] != self.config.vocab_size:
+            raise ValueError(f"drafter (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) "
+                             f"does not fit the target embedding {tuple(w.shape)}")
+        self._target = (embed_tokens, lm_head)
+        return self
+
+    def _need_target(self):
+        if self._target is None:
+            raise RuntimeError("FalconDrafter: call attach_target(embed_tokens, lm_head) first")
+        return self._target
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._need_target()[0](ids)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self._need_target()[1](features)
+
+    # -- forward ---------------------------------------------------------
+    def fuse(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1)  # [B, T, 2H], embedding first
+        return self.lstm(x) if self.config.fusion == "lstm" else self.fc(x)
+
+    def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, past: KVCache | None = None):
+        """One drafter pass.
+
+        Args:
+            token_embeds: [B, T, H] embeddings of x_{j+1} for each position j.
+            features: [B, T, H] target features f_j (or predicted features in tree passes).
+            positions: [B, T] int64 rotary positions.
+            mask: [B, T, P+T] or [T, P+T] bool, True = attend (keys: past then new).
+            past: per-layer (K, V) [B, nkv, P, hd], or None.
+        Returns:
+            (out [B, T, H] predicted features, new_kv: per-layer (K, V) [B, nkv, T, hd]).
+        """
+        if mask.dim() == 2:
+            mask = mask.expand(token_embeds.shape[0], *mask.shape)
+        x = self.fuse(token_embeds, features)
+        new_kv: KVCache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, mask, past[i] if past is not None else None)
+            new_kv.append(kv)
+        return x, new_kv
+
+    # -- checkpoints -----------------------------------------------------
+    def save_pretrained(self, directory: str) -> None:
+        from safetensors.torch import save_file
+
+        self.config.save(directory)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str, target_config=None, dtype=torch.float32) -> "FalconDrafter":
+        cfg = FalconConfig.load(directory)
+        if target_config is not None:
+            cfg.check_target(target_config)
+        model = cls(cfg)
+        state = load_state_dict_file(directory)
+        model.load_state_dict(check_state_dict(model, state, directory))
+        return model.to(dtype).eval()
+
+
+def load_state_dict_file(directory: str) -> dict[str, torch.Tensor]:
+    """Read model.safetensors (or an official pytorch_model.bin) from a drafter directory."""
+    st = os.path.join(directory, "model.safetensors")
+    pt = os.path.join(directory, "pytorch_model.bin")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+        try:
+            return load_file(st)
+        except Exception as e:  # safetensors raises several error types for corrupt files
+            raise ValueError(f"{st} is corrupt or truncated ({type(e).__name__}: {e})") from None
+    if os.path.exists(pt):
+        try:
+            return torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{pt} could not be read ({type(e).__name__}: {e})") from None
+    raise FileNotFoundError(f"Falcon drafter {directory!r} has no weights (model.safetensors)")
+
+
+def check_state_dict(model: nn.Module, state: dict, source: str) -> dict:
+    """Map official Falcon keys onto ours and check names and shapes, with one clear error."""
+    state = convert_official_state_dict(state)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [f"{n}: checkpoint {tuple(state[n].shape)} vs model {tuple(own[n].shape)}"
+             for n in own if n in state and state[n].shape != own[n].shape]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''}")
+        if wrong:
+            parts.append("wrong shapes " + "; ".join(wrong[:3]))
+        raise ValueError(f"{source}: weights do not match the drafter config: " + ", ".join(parts))
+    return state
+
+
+def convert_official_state_dict(state: dict) -> dict:
+    """Official Falcon/EAGLE state dict -> ours.
+
+    Official keys: ``embed_tokens.weight`` (a frozen copy of the target's: dropped, we share the
+    target's), ``lstm.weight_ih_l{0,1}`` etc. (kept), ``fc.*`` (EAGLE, kept), ``layers.N.*`` (kept).
+    A ``model.`` prefix (as in some exports) is stripped.
+    """
+    out = {}
+    for name, t in state.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.startswith("embed_tokens.") or name.startswith("lm_head."):
+            continue
+        out[name] = t
+    return out
