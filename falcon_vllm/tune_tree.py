@@ -1,0 +1,217 @@
+"""Fit a decoding tree to a drafter and a machine (``falcon-vllm tune-tree``).
+
+The paper hand-designed its trees.  We fit them from two measurements:
+
+1. **Rank profile** (what the drafter gets right).  On sequences the target generated greedily,
+   at many root positions we follow the *true* continuation through the SAR drafting passes
+   (pass 1 from the true features; each later block fed the true tokens of its levels and the
+   features its ancestor block predicted, exactly as in serving) and record the rank of each
+   true token in its drafter row.  A tree node ``[r1..rd]`` is accepted under greedy verification
+   iff the true ranks start with ``r1..rd``, so its acceptance probability is the fraction of
+   samples whose rank sequence has that prefix, and the expected tokens per step is
+   ``tau(tree) = 1 + sum over nodes of P(node)``.  Taking the W nodes of highest P gives the best
+   tree of W nodes (prefix counts never increase along a path, so the set is a valid tree).
+2. **Cost of verifying W tokens** at batch size B on the target (one forward of B x (1 + W) tree
+   tokens over a prefix) plus the drafter passes.
+
+For each batch size the tree size W maximising ``tau(W) / step_time(B, W)`` is chosen (W = 0, no
+speculation, is a candidate), so a large batch gets a small tree and never runs slower than plain
+decoding under the measured cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+
+import torch
+
+from falcon_vllm.drafter import FalconDrafter, chunk_mask
+from falcon_vllm.tree import DecodingTree
+
+
+@torch.inference_mode()
+def rank_profile(drafter: FalconDrafter, tokens: torch.Tensor, feats: torch.Tensor, max_depth: int,
+                 topk: int = 10, roots: list[int] | None = None) -> list[tuple[int, ...]]:
+    """True-path rank sequences of one sequence.
+
+    Args:
+        tokens: [L] int64 tokens of a target-greedy sequence; feats: [L, H] target features.
+        roots: committed lengths n to test (default: every 4th position with room for max_depth).
+    Returns: one rank tuple per root (stops at the first true token outside the top-``topk``).
+    """
+    k = drafter.config.k
+    L = tokens.shape[0]
+    roots = roots or list(range(max(k, 2), L - max_depth - 1, 4))
+    out = []
+    for n in roots:
+        # drafter positions 0..n-1 read (x_{j+1}, f_j); last k form the prediction block
+        ids = tokens[1:n + 1][None]
+        out_f, kv = drafter(drafter.embed(ids), feats[:n][None], torch.arange(n)[None], chunk_mask(0, n, k))
+        rows = out_f[0, -k:]
+        ranks: list[int] = []
+        past = kv
+        level = 0
+        while level < max_depth:
+            cand = drafter.logits(rows).topk(topk, dim=-1).indices  # [k, topk]
+            ok = True
+            for r in range(k):
+                if level >= max_depth:
+                    break
+                true = int(tokens[n + 1 + level])
+                hit = (cand[r] == true).nonzero()
+                if hit.numel() == 0:
+                    ok = False
+                    break
+                ranks.append(int(hit[0, 0]))
+                level += 1
+            if not ok or level >= max_depth:
+                break
+            # next SAR block: the true tokens of the last k levels, features predicted by this block
+            blk_ids = tokens[n + 1 + level - k: n + 1 + level][None]
+            pos = (n + level - k + torch.arange(k))[None]
+            mask = torch.ones(k, past[0][0].shape[2] + k, dtype=torch.bool)
+            nxt, kv = drafter(drafter.embed(blk_ids), rows[None], pos, mask, past)
+            past = [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(past, kv)]
+            rows = nxt[0]
+        out.append(tuple(ranks))
+    return out
+
+
+def best_tree(profiles: list[tuple[int, ...]], num_nodes: int) -> tuple[list[list[int]], float]:
+    """The ``num_nodes`` tree nodes with the highest empirical acceptance, and the expected tau."""
+    counts: Counter = Counter()
+    for ranks in profiles:
+        for d in range(1, len(ranks) + 1):
+            counts[ranks[:d]] += 1
+    total = max(1, len(profiles))
+    # ties broken by depth then path so the result is deterministic and prefix-closed
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[:num_nodes]
+    chosen = {p for p, _ in ranked}
+    # prefix-closure (ties at equal count could pick a child before its parent)
+    for p in list(chosen):
+        for d in range(1, len(p)):
+            chosen.add(p[:d])
+    paths = sorted(chosen, key=lambda t: (len(t), t))
+    tau = 1.0 + sum(counts[p] for p in paths) / total
+    return [list(p) for p in paths], tau
+
+
+@torch.inference_mode()
+def verify_cost(target, batch_size: int, width: int, prefix: int = 256, repeats: int = 3) -> float:
+    """Seconds for one target forward of ``batch_size`` x ``width`` tokens over a ``prefix`` cache."""
+    from transformers import DynamicCache
+
+    V = target.config.vocab_size
+    ids = torch.randint(0, V, (batch_size, prefix))
+    cache = DynamicCache(config=target.config)
+    target.base_model(input_ids=ids, use_cache=True, past_key_values=cache)
+    x = torch.randint(0, V, (batch_size, width))
+    pos = (prefix + torch.arange(width)).expand(batch_size, width)
+    best = math.inf
+    for _ in range(repeats):
+        c = _clone_cache(cache, target.config)
+        t0 = time.perf_counter()
+        h = target.base_model(input_ids=x, position_ids=pos, past_key_values=c, use_cache=True).last_hidden_state
+        target.get_output_embeddings()(h)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _clone_cache(cache, config):
+    from transformers import DynamicCache
+
+    c = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        c.update(layer.keys.clone(), layer.values.clone(), i)
+    return c
+
+
+def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost: float) -> dict:
+    """For each batch size pick the tree size maximising tau / step time (0 = no speculation)."""
+    results = {}
+    for B in batch_sizes:
+        base = cost_fn(B, 1)  # plain decoding: one token per request per step
+        best = {"num_nodes": 0, "tau": 1.0, "step_s": base, "tokens_per_s_per_req": 1.0 / base, "paths": []}
+        for W in widths:
+            paths, tau = best_tree(profiles, W)
+            if not paths:
+                continue
+            depth = max(len(p) for p in paths)
+            step = cost_fn(B, 1 + len(paths)) + math.ceil(depth / k) * draft_pass_cost
+            rate = tau / step
+            if rate > best["tokens_per_s_per_req"]:
+                best = {"num_nodes": len(paths), "tau": tau, "step_s": step, "tokens_per_s_per_req": rate,
+                        "paths": paths}
+        best["speedup_model"] = best["tokens_per_s_per_req"] * base
+        results[B] = best
+    return results
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p):
+    p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", required=True, help="Falcon drafter directory")
+    p.add_argument("--dataset", default="mt-bench", help="prompts: mt-bench, humaneval or gsm8k")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--gen-tokens", type=int, default=96, help="greedy tokens generated per prompt")
+    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--batch-sizes", default="1,2,4,8,16")
+    p.add_argument("--widths", default="2,4,8,16,24,32,48,64,96,128")
+    p.add_argument("--out", required=True, help="output JSON (loadable as a tree: `tree: <file>`)")
+
+
+def main(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tqdm import tqdm
+
+    from falcon_vllm.models import load_chat_prompts, model_path
+
+    torch.manual_seed(0)
+    tpath = args.target or str(model_path())
+    tok = AutoTokenizer.from_pretrained(tpath)
+    target = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
+    drafter = FalconDrafter.from_pretrained(args.drafter, target.config)
+    drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    profiles = []
+    for q in tqdm(load_chat_prompts(args.dataset, args.num_prompts), desc="rank profile"):
+        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            seq = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.gen_tokens,
+                                  do_sample=False)[0]
+            feats = target.base_model(input_ids=seq[None]).last_hidden_state[0]
+        roots = list(range(len(ids), len(seq) - args.max_depth - 1, 2))
+        profiles += rank_profile(drafter, seq, feats, args.max_depth, args.topk, roots)
+    bs = [int(b) for b in args.batch_sizes.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    memo = {}
+
+    def cost(B, W):
+        if (B, W) not in memo:
+            memo[(B, W)] = verify_cost(target, B, W)
+        return memo[(B, W)]
+
+    # one drafter pass ~ a k-token block per expansion node: measured at 8 blocks
+    x = torch.randn(8, drafter.k, drafter.config.hidden_size)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        drafter(x, x, torch.arange(drafter.k).expand(8, -1), torch.ones(drafter.k, drafter.k, dtype=torch.bool))
+    draft_cost = time.perf_counter() - t0
+    res = choose_trees(profiles, cost, tqdm(bs, desc="cost model"), widths, drafter.k, draft_cost)
+    b1 = res[bs[0]]
+    out = {"paths": b1["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
+           "samples": len(profiles), "costs_s": {f"{b}x{w}": t for (b, w), t in sorted(memo.items())},
+           "drafter_pass_s": draft_cost, "dataset": args.dataset, "drafter": args.drafter}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    for b, r in res.items():
+        print(f"batch {b:3d}: {r['num_nodes']:4d} nodes, expected tau {r['tau']:.2f}, "
+              f"modelled speedup {r['speedup_model']:.2f}x")
+    DecodingTree(out["paths"], drafter.k)  # validates
+    print(f"wrote {args.out}")
+    return 0

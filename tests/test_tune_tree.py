@@ -1,0 +1,47 @@
+import torch
+
+from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
+from falcon_vllm.tree import DecodingTree
+from falcon_vllm.tune_tree import best_tree, choose_trees, rank_profile
+
+torch.set_num_threads(1)
+
+
+def test_best_tree_is_prefix_closed_and_expected_tau():
+    profiles = [(0, 0, 0), (0, 0, 1), (0, 1), (1,), (0, 0, 0), ()]
+    paths, tau = best_tree(profiles, 3)
+    assert paths == [[0], [0, 0], [0, 0, 0]]
+    DecodingTree(paths, 1)
+    # P([0]) = 4/6, P([0,0]) = 3/6, P([0,0,0]) = 2/6
+    assert abs(tau - (1 + 9 / 6)) < 1e-9
+
+
+def test_rank_profile_exact_drafter_is_all_zero():
+    tgt = increment_llama()
+    d = exact_drafter(tgt, k=2)
+    d.attach_target(tgt.get_input_embeddings(), tgt.get_output_embeddings())
+    seq = torch.arange(3, 40) % 128
+    with torch.inference_mode():
+        feats = tgt.base_model(input_ids=seq[None]).last_hidden_state[0]
+    prof = rank_profile(d, seq, feats, max_depth=6, topk=4)
+    assert prof and all(p == (0,) * 6 for p in prof)
+
+
+def test_choose_trees_shrinks_with_batch():
+    profiles = [(0, 0, 0, 0)] * 6 + [(1, 0)] * 2 + [()] * 2
+    # verification cost grows with total tokens B * W beyond a knee of 16 tokens
+    cost = lambda B, W: 1.0 + max(0, B * W - 16) * 0.05  # noqa: E731
+    res = choose_trees(profiles, cost, [1, 64], [1, 2, 4, 6], k=2, draft_pass_cost=0.01)
+    assert res[1]["num_nodes"] >= 4 and res[1]["speedup_model"] > 1
+    assert res[64]["num_nodes"] == 0 and res[64]["speedup_model"] == 1.0  # never slower than plain
+
+
+def test_rank_profile_random_drafter_runs():
+    tgt = tiny_llama()
+    d = random_drafter(tgt, k=3)
+    d.attach_target(tgt.get_input_embeddings(), tgt.get_output_embeddings())
+    seq = torch.randint(0, 128, (30,))
+    with torch.inference_mode():
+        feats = tgt.base_model(input_ids=seq[None]).last_hidden_state[0]
+    prof = rank_profile(d, seq, feats, max_depth=6, topk=128)
+    assert all(len(p) == 6 for p in prof)  # top-128 of 128: every true token has a rank
