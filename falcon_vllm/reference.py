@@ -140,8 +140,8 @@ class FalconReferenceEngine:
         st.append([(kk[:, :, pad:], vv[:, :, pad:]) for kk, vv in kv])
         return out[0, -k:]
 
-    def _draft(self, st: DrafterCache, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
-        """Draft the whole tree; returns node tokens [N] int64."""
+    def _draft(self, st: DrafterCache, tokens: list[int], feats: torch.Tensor, return_outputs: bool = False):
+        """Draft the whole tree; returns node tokens [N] int64 (and each pass's output rows)."""
         tree, k, topk = self.tree, self.k, self.tree.topk
         n = feats.shape[0]
         rows = self._chunk_pass(st, tokens, feats)  # [k, H]
@@ -175,7 +175,7 @@ class FalconReferenceEngine:
             ids_tables.append(self.drafter.logits(flat).topk(topk, dim=-1).indices)
         sel = src[:, 0] == tree.num_passes - 1
         node_tokens[sel] = ids_tables[-1][src[sel, 1], src[sel, 2]]
-        return node_tokens
+        return (node_tokens, outs) if return_outputs else node_tokens
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()

@@ -1,0 +1,165 @@
+import os
+
+import pytest
+import torch
+
+from falcon_vllm.config import FalconConfig
+from falcon_vllm.convert import convert_official, export_official
+from falcon_vllm.drafter import FalconDrafter, chunk_mask
+from falcon_vllm.reference import DrafterCache, FalconReferenceEngine
+from falcon_vllm.testing import random_drafter, tiny_llama
+from falcon_vllm.tree import build_tree
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
+
+
+def test_chunk_mask_end_aligned():
+    m = chunk_mask(2, 5, 2)
+    assert m[:, :2].all()  # the whole past is visible
+    inner = m[:, 2:].int().tolist()
+    # blocks [0], [1,2], [3,4]: the last k positions always form one block
+    assert inner == [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert chunk_mask(0, 3, 1).int().tolist() == torch.tril(torch.ones(3, 3)).int().tolist()
+
+
+@pytest.mark.parametrize("fusion,layers", [("lstm", 1), ("fc", 2)])
+def test_save_load_roundtrip(tmp_path, target, fusion, layers):
+    d = random_drafter(target, k=2, fusion=fusion, num_layers=layers)
+    d.save_pretrained(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    e = FalconDrafter.from_pretrained(str(tmp_path), target.config)
+    for (n1, p1), (n2, p2) in zip(d.state_dict().items(), e.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert not any("embed" in n or "lm_head" in n for n in e.state_dict())  # shared, not stored
+
+
+def test_tree_pass_blocks_equal_sequential_recompute(target):
+    """Each SAR tree-pass block equals a fresh forward of that block on top of its ancestor chain."""
+    d = random_drafter(target, k=2, fusion="lstm", num_layers=2)
+    eng = FalconReferenceEngine(target, d, "falcon-llama")
+    tree = eng.tree
+    tokens = [3, 17, 9, 44, 5, 61, 2, 8, 30]          # 8 committed + pending
+    with torch.inference_mode():
+        feats = target.base_model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        st = DrafterCache(2)
+        node_tokens, outs = eng._draft(st, tokens, feats, return_outputs=True)
+        n, k = feats.shape[0], 2
+        checked = 0
+        for q in range(1, tree.num_passes):
+            plan = tree.passes[q]
+            for b in range(plan.num_blocks):
+                # the chain of expansion nodes e_1..e_q leading to this block
+                e = tree.nodes[plan.expansion_slots[b] - 1]
+                past = [(K.clone(), V.clone()) for K, V in st.kv]
+                feat_in = outs[0]                      # the chunk block's outputs
+                for i in range(1, q + 1):
+                    ids = torch.tensor([node_tokens[tree.slot_of(e[:lvl]) - 1] for lvl in range(k * (i - 1) + 1, k * i + 1)])
+                    pos = (n + k * (i - 1) + torch.arange(k))[None]
+                    mask = torch.ones(k, past[0][0].shape[2] + k, dtype=torch.bool)
+                    out, kv = d(d.embed(ids[None]), feat_in[None], pos, mask, past)
+                    past = [(torch.cat([K, nk], 2), torch.cat([V, nv], 2)) for (K, V), (nk, nv) in zip(past, kv)]
+                    feat_in = out[0]
+                torch.testing.assert_close(outs[q][b * k:(b + 1) * k], feat_in, rtol=1e-5, atol=1e-5)
+                checked += 1
+    assert checked == sum(p.num_blocks for p in tree.passes[1:]) == 6 + 7 + 7
+
+
+def _official_state(cfg: FalconConfig, qwen: bool, seed=0):
+    """A state dict in the official Falcon key layout and shapes (cnets.py::Model)."""
+    g = torch.Generator().manual_seed(seed)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    sd = {"embed_tokens.weight": r(cfg.vocab_size, H)}
+    for l, inp in ((0, 2 * H), (1, H)):
+        sd |= {f"lstm.weight_ih_l{l}": r(4 * H, inp), f"lstm.weight_hh_l{l}": r(4 * H, H),
+               f"lstm.bias_ih_l{l}": r(4 * H), f"lstm.bias_hh_l{l}": r(4 * H)}
+    p = "layers.0."
+    sd |= {p + "self_attn.q_proj.weight": r(qd, H), p + "self_attn.k_proj.weight": r(kvd, H),
+           p + "self_attn.v_proj.weight": r(kvd, H), p + "self_attn.o_proj.weight": r(H, qd),
+           p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
+           p + "mlp.down_proj.weight": r(H, I), p + "post_attention_layernorm.weight": 1 + r(H)}
+    if qwen:
+        sd |= {p + "self_attn.q_proj.bias": r(qd), p + "self_attn.k_proj.bias": r(kvd),
+               p + "self_attn.v_proj.bias": r(kvd)}
+    return sd
+
+
+@pytest.mark.parametrize("qwen", [False, True])
+def test_official_checkpoint_conversion_roundtrips(tmp_path, qwen):
+    tgt = tiny_llama(qwen2=qwen)
+    cfg = FalconConfig.from_target(tgt.config, k=2, fusion="lstm")
+    sd = _official_state(cfg, qwen)
+    src = tmp_path / "official"
+    src.mkdir()
+    torch.save(sd, src / "pytorch_model.bin")
+    off_cfg = {**tgt.config.to_dict(), "num_hidden_layers": 1, "k_mask": 2}
+    (src / "config.json").write_text(__import__("json").dumps(off_cfg, default=str))
+    out = tmp_path / "ours"
+    convert_official(str(src), str(out), tgt.config)
+    d = FalconDrafter.from_pretrained(str(out), tgt.config)
+    assert d.config.k == 2 and d.config.fusion == "lstm" and d.config.attention_bias == qwen
+    back = export_official(d, sd["embed_tokens.weight"])
+    assert sorted(back) == sorted(sd)
+    for name in sd:
+        assert torch.equal(back[name], sd[name]), name
+
+
+def test_lstm_is_positionwise_from_zero_state(target):
+    """Official semantics: each position's LSTM output ignores the other positions."""
+    d = random_drafter(target, k=2, fusion="lstm")
+    x = torch.randn(1, 5, 2 * d.config.hidden_size)
+    full = d.lstm(x)
+    for j in range(5):
+        torch.testing.assert_close(full[:, j], d.lstm(x[:, j:j + 1])[:, 0])
+
+
+def test_wrong_target_and_bad_checkpoints(tmp_path, target):
+    d = random_drafter(target, k=2)
+    d.save_pretrained(str(tmp_path / "ok"))
+    other = tiny_llama(hidden=32, heads=2, kv_heads=1)
+    with pytest.raises(ValueError, match="another target: hidden size 64 != target's 32"):
+        FalconDrafter.from_pretrained(str(tmp_path / "ok"), other.config)
+    with pytest.raises(ValueError, match="vocabulary 128 != target's 96"):
+        FalconDrafter.from_pretrained(str(tmp_path / "ok"), tiny_llama(vocab=96).config)
+    # not a drafter directory
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="not a Falcon drafter config"):
+        FalconDrafter.from_pretrained(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        FalconDrafter.from_pretrained(str(tmp_path))
+    # missing weights
+    (tmp_path / "noweights").mkdir()
+    d.config.save(str(tmp_path / "noweights"))
+    with pytest.raises(FileNotFoundError, match="has no weights"):
+        FalconDrafter.from_pretrained(str(tmp_path / "noweights"))
+    # corrupt weights
+    (tmp_path / "corrupt").mkdir()
+    d.config.save(str(tmp_path / "corrupt"))
+    data = (tmp_path / "ok" / "model.safetensors").read_bytes()
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        FalconDrafter.from_pretrained(str(tmp_path / "corrupt"))
+    # weights of another shape under a valid config
+    (tmp_path / "shape").mkdir()
+    cfg2 = FalconConfig.from_hf_dict(d.config.to_hf_dict())
+    cfg2.intermediate_size = 64
+    cfg2.save(str(tmp_path / "shape"))
+    os.link(tmp_path / "ok" / "model.safetensors", tmp_path / "shape" / "model.safetensors")
+    with pytest.raises(ValueError, match="wrong shapes"):
+        FalconDrafter.from_pretrained(str(tmp_path / "shape"))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="fusion"):
+        FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+                     vocab_size=10, fusion="gru")
+    with pytest.raises(ValueError, match="k \\(tokens per drafter pass\\)"):
+        FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+                     vocab_size=10, k=0)
