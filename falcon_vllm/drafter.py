@@ -148,7 +148,8 @@ class PositionwiseLSTM(nn.LSTM):
 
     def forward(self, x):  # x [B, T, 2H] -> [B, T, H]
         B, T, D = x.shape
-        out, _ = super().forward(x.reshape(1, B * T, D))
+        with torch.autocast(device_type=x.device.type, enabled=False):  # oneDNN has no bf16-autocast LSTM
+            out, _ = super().forward(x.reshape(1, B * T, D).to(self.weight_ih_l0.dtype))
         return out.reshape(B, T, -1)
 
 
