@@ -1,0 +1,52 @@
+"""Shared helpers for the vLLM tests: tiny checkpoints on disk and in-process engines (CPU, eager)."""
+
+import gc
+import os
+import shutil
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from falcon_vllm.models import model_path  # noqa: E402
+
+
+def save_target(model, directory: str) -> str:
+    """Save a tiny HF model with SmolLM2's tokenizer and chat template (vocab 49152)."""
+    model.save_pretrained(directory)
+    src = model_path()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), directory)
+    return directory
+
+
+def make_llm(model: str, speculative_config=None, **kw):
+    from vllm import LLM
+
+    args = dict(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=8,
+                disable_log_stats=False, seed=0)
+    args.update(kw)
+    return LLM(speculative_config=speculative_config, **args)
+
+
+def free(llm) -> None:
+    """Shut an in-process engine down completely before the next one starts in this process."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def drafter_of(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+
+
+def spec_counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name.split("vllm:spec_decode_")[1]] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
