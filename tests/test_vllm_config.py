@@ -1,0 +1,107 @@
+"""Bad falcon configurations fail at start-up with one clear error; the CLI forms map correctly."""
+
+import os
+import shutil
+
+import pytest
+
+from tests.vllm_util import save_target
+
+from falcon_vllm.testing import random_drafter, tiny_llama
+
+V = 49152
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cfg")
+    t = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1)
+    save_target(t, str(base / "target"))
+    random_drafter(t, k=2).save_pretrained(str(base / "good"))
+    other = tiny_llama(vocab=V, hidden=128, heads=2, kv_heads=1)
+    random_drafter(other, k=2).save_pretrained(str(base / "other_hidden"))
+    small_vocab = tiny_llama(vocab=1000, hidden=64, heads=2, kv_heads=1)
+    random_drafter(small_vocab, k=2).save_pretrained(str(base / "other_vocab"))
+    (base / "plain").mkdir()
+    shutil.copy(base / "target" / "config.json", base / "plain" / "config.json")
+    (base / "noweights").mkdir()
+    shutil.copy(base / "good" / "config.json", base / "noweights" / "config.json")
+    (base / "corrupt").mkdir()
+    shutil.copy(base / "good" / "config.json", base / "corrupt" / "config.json")
+    (base / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    return base
+
+
+def _config(dirs, spec, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import falcon_vllm
+    falcon_vllm.register()
+    return EngineArgs(model=str(dirs / "target"), dtype="float32", max_model_len=256, enforce_eager=True,
+                      speculative_config=spec, **kw).create_engine_config()
+
+
+def test_good_config_maps_to_eagle_plumbing(dirs):
+    cfg = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 3})
+    sc = cfg.speculative_config
+    assert sc.method == "eagle" and sc.num_speculative_tokens == 3
+    assert sc.draft_model_config.hf_config.architectures == ["EagleFalconForCausalLM"]
+    assert sc.draft_model_config.hf_config.falcon["k"] == 2
+
+
+def test_default_tokens_and_chain_tree(dirs):
+    assert _config(dirs, {"method": "falcon", "model": str(dirs / "good")}).speculative_config.num_speculative_tokens == 4
+    sc = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "tree": "chain-6"}).speculative_config
+    assert sc.num_speculative_tokens == 6
+
+
+@pytest.mark.parametrize("spec,err", [
+    ({"method": "falcon", "model": "{good}", "falcon_depth": 3}, r"unknown option\(s\) \['falcon_depth'\]"),
+    ({"method": "falcon", "model": "{other_hidden}"}, "another target: hidden size 128 != target's 64"),
+    ({"method": "falcon", "model": "{other_vocab}"}, "vocabulary 1000 != target's 49152"),
+    ({"method": "falcon", "model": "{plain}"}, "not a Falcon drafter config"),
+    ({"method": "falcon", "model": "{noweights}"}, "has no weights"),
+    ({"method": "falcon", "model": "{corrupt}"}, "corrupt or truncated"),
+    ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "falcon", "model": "{good}", "num_speculative_tokens": -2}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "falcon", "model": "{good}", "tree": "falcon-llama"}, "is not a chain"),
+    ({"method": "falcon", "model": "/nonexistent/drafter"}, "does not exist"),
+])
+def test_bad_configs_give_one_clear_error(dirs, spec, err):
+    spec = {k: (v.format(**{d: str(dirs / d) for d in os.listdir(dirs)}) if isinstance(v, str) else v)
+            for k, v in spec.items()}
+    with pytest.raises((ValueError, FileNotFoundError), match=err):
+        _config(dirs, spec)
+
+
+def test_falcon_resolution_rule(dirs, monkeypatch):
+    monkeypatch.delenv("FALCON_VLLM_DRAFTER", raising=False)
+    import falcon_vllm.vllm.options as opts
+    monkeypatch.setattr(opts, "DRAFTERS_DIR", dirs / "none")
+    with pytest.raises(ValueError, match="no drafter for this target. Tried"):
+        _config(dirs, {"method": "falcon", "model": "falcon"})
+    monkeypatch.setenv("FALCON_VLLM_DRAFTER", str(dirs / "good"))
+    assert _config(dirs, {"method": "falcon"}).speculative_config.draft_model_config.model == str(dirs / "good")
+    # a shipped drafter whose recorded target matches wins over the environment variable
+    shipped = dirs / "shipped"
+    shipped.mkdir(exist_ok=True)
+    shutil.copytree(dirs / "good", shipped / "tiny", dirs_exist_ok=True)
+    monkeypatch.setattr(opts, "DRAFTERS_DIR", shipped)
+    assert _config(dirs, {"method": "falcon", "model": "falcon"}).speculative_config.draft_model_config.model \
+        == str(shipped / "tiny")
+
+
+def test_cli_compatibility_flags(dirs):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import falcon_vllm
+    falcon_vllm.register()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(dirs / "target"), "--speculative-model", str(dirs / "good"),
+                              "--num-speculative-tokens", "5"])
+    ea = AsyncEngineArgs.from_cli_args(args)
+    assert ea.speculative_config == {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 5}
+    args = parser.parse_args(["--model", str(dirs / "target"), "--speculative-config",
+                              '{"method": "falcon", "model": "%s"}' % (dirs / "good")])
+    assert AsyncEngineArgs.from_cli_args(args).speculative_config["method"] == "falcon"
