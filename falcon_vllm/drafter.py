@@ -221,11 +221,12 @@ class FalconDrafter(nn.Module):
         return x, new_kv
 
     # -- checkpoints -----------------------------------------------------
-    def save_pretrained(self, directory: str) -> None:
+    def save_pretrained(self, directory: str, dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors (optionally cast, e.g. bf16 to halve the size)."""
         from safetensors.torch import save_file
 
         self.config.save(directory)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod

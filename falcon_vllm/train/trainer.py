@@ -180,7 +180,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           max_len: int = 384, glance: str = "uniform", glance_loss: str = "keep", lambda_schedule: str = "code",
           noise: str = "scaled", w_dist: float = 0.1, alpha: float = 0.9, tree: str | None = None,
           max_steps: int | None = None, seed: int = 0, eval_every_epoch: bool = True, resume: bool = True,
-          log=print) -> dict:
+          save_dtype: torch.dtype | None = None, log=print) -> dict:
     from tqdm import tqdm
 
     from falcon_vllm.train.gen_data import load_shards
@@ -276,7 +276,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                               "lambda_schedule": lambda_schedule, "noise": noise, "lr": lr, "batch_size": batch_size,
                               "steps": state["step"], "heldout": final}}
     drafter.eval()
-    drafter.save_pretrained(out_dir)
+    drafter.save_pretrained(out_dir, dtype=save_dtype)
     if mode == "eagle":
         export_vllm_eagle(drafter, os.path.join(out_dir, "vllm-eagle"))
     return {"final": final, "history": state["history"], "out": out_dir}
@@ -318,6 +318,8 @@ def add_arguments(p):
     p.add_argument("--noise", choices=["scaled", "fixed"], default="scaled")
     p.add_argument("--tree", default=None, help="default tree recorded in the drafter and used for sim tau")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="dtype of the stored weights (bf16 keeps a 1-layer drafter small enough for git)")
 
 
 def main(args):
@@ -328,7 +330,8 @@ def main(args):
     res = train(args.data, args.out, target_dir=args.target or str(model_path()), mode=args.mode, k=args.k,
                 fusion=args.fusion, layers=args.layers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                 max_len=args.max_len, glance=args.glance, glance_loss=args.glance_loss,
-                lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps)
+                lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
+                save_dtype=getattr(torch, args.save_dtype))
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res["final"]))

@@ -1,0 +1,85 @@
+"""``falcon-vllm demo`` (``make demo``): SmolLM2-135M-Instruct with and without falcon, in vLLM on CPU.
+
+Answers a few MT-Bench questions with vanilla decoding and with Falcon speculative decoding (the
+drafter shipped in ``falcon_vllm/drafters/smollm2-135m-instruct``), prints the answers, tokens/s
+of both, tau (mean tokens per verification step, from vLLM's counters) and whether the greedy
+outputs are identical.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "drafters", "smollm2-135m-instruct")
+
+
+def add_arguments(p):
+    p.add_argument("--questions", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+
+
+def main(args):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gc
+    import tempfile
+
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from falcon_vllm.models import load_chat_prompts, model_path
+
+    target = str(model_path())
+    drafter = args.drafter or SHIPPED
+    if not os.path.exists(os.path.join(drafter, "model.safetensors")):
+        import torch
+
+        from falcon_vllm.config import FalconConfig
+        from falcon_vllm.drafter import FalconDrafter
+        print(f"NOTE: no trained drafter at {drafter}; using a RANDOM drafter (outputs stay identical, "
+              "tau will be ~1). Train one with `falcon-vllm train`.")
+        torch.manual_seed(0)
+        drafter = tempfile.mkdtemp(prefix="falcon-random-")
+        FalconDrafter(FalconConfig.from_target(AutoConfig.from_pretrained(target))).save_pretrained(drafter)
+    tok = AutoTokenizer.from_pretrained(target)
+    qs = load_chat_prompts("mt-bench", args.questions)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                       tokenize=False) for q in qs]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    common = dict(model=target, dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=1,
+                  disable_log_stats=False, seed=0)
+    results = {}
+    for name, spec in (("vanilla", None), ("falcon", {"method": "falcon", "model": drafter,
+                                                      "num_speculative_tokens": args.num_speculative_tokens})):
+        llm = LLM(speculative_config=spec, **common)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+        before = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        t0 = time.perf_counter()
+        outs = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in prompts]  # batch 1
+        dt = time.perf_counter() - t0
+        after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        n = sum(len(o.token_ids) for o in outs)
+        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+        acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
+               - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+        results[name] = {"outs": outs, "tps": n / dt, "tau": 1 + acc / drafts if drafts else None}
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    for q, o in zip(qs, results["falcon"]["outs"]):
+        print(f"\n### Q{q['id']}: {q['turns'][0][:100]}\n{o.text.strip()[:600]}")
+    same = all(list(a.token_ids) == list(b.token_ids)
+               for a, b in zip(results["vanilla"]["outs"], results["falcon"]["outs"]))
+    v, f = results["vanilla"], results["falcon"]
+    print("\n" + "=" * 72)
+    print(f"vanilla : {v['tps']:.1f} tokens/s")
+    print(f"falcon  : {f['tps']:.1f} tokens/s  (speedup {f['tps'] / v['tps']:.2f}x, tau {f['tau']:.2f} incl. bonus, "
+          f"K={args.num_speculative_tokens}, drafter {os.path.basename(drafter.rstrip('/'))})")
+    print(f"greedy outputs identical: {same}")
+    return 0 if same else 1
