@@ -180,7 +180,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           max_len: int = 384, glance: str = "uniform", glance_loss: str = "keep", lambda_schedule: str = "code",
           noise: str = "scaled", w_dist: float = 0.1, alpha: float = 0.9, tree: str | None = None,
           max_steps: int | None = None, seed: int = 0, eval_every_epoch: bool = True, resume: bool = True,
-          save_dtype: torch.dtype | None = None, log=print) -> dict:
+          save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, log=print) -> dict:
     from tqdm import tqdm
 
     from falcon_vllm.train.gen_data import load_shards
@@ -225,6 +225,9 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
     drafter.train()
     bar = tqdm(total=total, initial=state["step"], desc=f"train {mode}", unit="step")
     while state["step"] < total:
+        if stop_after_epochs is not None and state["epoch"] >= stop_after_epochs:
+            bar.close()
+            return {"stopped": True, "state": state, "out": out_dir}  # resume later from checkpoint.pt
         epoch = state["epoch"]
         order = list(range(len(train_set)))
         random.Random(seed + epoch).shuffle(order)
