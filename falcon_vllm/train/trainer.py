@@ -57,15 +57,99 @@ def make_batch(samples, k: int, max_len: int):
     feat_lbl = torch.zeros(B, T, H)
     loss = torch.zeros(B, T, dtype=torch.bool)
     attn = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()  # padded rows see themselves
-    for b, ((tok, mask, hid), L) in enumerate(zip(samples, lens)):
+    teach = samples[0][3] if len(samples[0]) > 3 else None
+    if teach is not None:  # cached teacher (see teacher_cache): gathered at the label feature f_{j+k}
+        K = teach["idx"].shape[1]
+        t = {"t_arg": torch.zeros(B, T, dtype=torch.long), "t_idx": torch.zeros(B, T, K, dtype=torch.long),
+             "t_val": torch.zeros(B, T, K), "t_lse": torch.zeros(B, T), "t_lseT": torch.zeros(B, T)}
+    for b, (s, L) in enumerate(zip(samples, lens)):
+        tok, mask, hid = s[0], s[1], s[2]
         ids_in[b, :L] = tok[1:L + 1]
         lbl_ids[b, :L] = tok[k + 1:L + k + 1]
         feat_in[b, :L] = hid[:L].float()
         feat_lbl[b, :L] = hid[k:L + k].float()
         loss[b, :L] = mask[k + 1:L + k + 1]  # train where the predicted token is an answer token
         attn[b, :L, :L] = chunk_mask(0, L, k)
-    return {"ids_in": ids_in, "feat_in": feat_in, "feat_lbl": feat_lbl, "lbl_ids": lbl_ids, "loss": loss,
+        if teach is not None:
+            c = s[3]
+            t["t_arg"][b, :L] = c["arg"][k:L + k]
+            t["t_idx"][b, :L] = c["idx"][k:L + k].long()
+            t["t_val"][b, :L] = c["val"][k:L + k].float()
+            t["t_lse"][b, :L] = c["lse"][k:L + k]
+            t["t_lseT"][b, :L] = c["lseT"][k:L + k]
+            loss[b, :L] &= c["arg"][k:L + k] >= 0
+    extra = t if teach is not None else {}
+    return {**extra, "ids_in": ids_in, "feat_in": feat_in, "feat_lbl": feat_lbl, "lbl_ids": lbl_ids, "loss": loss,
             "attn": attn, "lengths": torch.tensor(lens)}
+
+
+@torch.inference_mode()
+def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int = 1024):
+    """The frozen teacher over each answer-predicting feature, computed once instead of every step.
+
+    For every feature f_i whose next token is an answer token (loss_mask[i+1]): argmax, the top-``topk``
+    token ids and logits, logsumexp(t) and logsumexp(t/T).  Rows not computed have ``arg`` = -1.
+    The soft loss then uses the teacher distribution truncated to its top-``topk`` (exact when
+    ``topk`` = vocab; the mass outside the top-64 is small for a greedy self-distilled target).
+    """
+    out = []
+    topk = min(topk, lm_head.weight.shape[0])
+    for tok, mask, hid, *_ in samples:
+        L = len(tok)
+        rows = (mask[1:].bool()).nonzero().flatten()  # feature i predicts token i+1
+        c = {"arg": torch.full((L,), -1, dtype=torch.long), "idx": torch.zeros(L, topk, dtype=torch.int32),
+             "val": torch.zeros(L, topk), "lse": torch.zeros(L), "lseT": torch.zeros(L)}
+        for a in range(0, rows.numel(), chunk):
+            r = rows[a:a + chunk]
+            lg = lm_head(hid[r].float()).float()
+            v, i = lg.topk(topk, dim=-1)
+            c["arg"][r] = i[:, 0]
+            c["idx"][r] = i.int()
+            c["val"][r] = v
+            c["lse"][r] = lg.logsumexp(-1)
+            c["lseT"][r] = (lg / T).logsumexp(-1)
+        out.append(c)
+    return out
+
+
+def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
+    """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused."""
+    cpath = os.path.join(data_dir, f"teacher_top{topk}_n{len(data)}.pt") if data_dir else None
+    if cpath and os.path.exists(cpath):
+        return torch.load(cpath, weights_only=False)
+    t0 = time.time()
+    cache = teacher_cache(data, lm_head, topk)
+    log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
+    if cpath:
+        tmp = f"{cpath}.{os.getpid()}.tmp"
+        torch.save(cache, tmp)
+        os.replace(tmp, cpath)
+    return cache
+
+
+def crop_context(sample, max_context: int):
+    """Keep at most ``max_context`` tokens before the first answer token (rotary attention is relative,
+    so a cropped prompt is a shorter prompt; it saves the drafter passes over long ShareGPT prompts)."""
+    mask = sample[1]
+    start = int(mask.nonzero()[0]) if mask.any() else len(mask)
+    a = max(0, start - max_context)
+    if a == 0:
+        return sample
+    out = [t[a:] for t in sample[:3]]
+    if len(sample) > 3:
+        out.append({n: v[a:] for n, v in sample[3].items()})
+    return tuple(out)
+
+
+def epoch_batches(samples, batch_size: int, seed: int):
+    """Length-bucketed batches (little padding) in a seeded random order."""
+    rnd = random.Random(seed)
+    order = list(range(len(samples)))
+    rnd.shuffle(order)  # random tie-break and random composition across near-equal lengths
+    order.sort(key=lambda i: len(samples[i][0]) // 16)
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rnd.shuffle(batches)
+    return batches
 
 
 def lam(epoch: int, epochs: int, schedule: str) -> float:
@@ -74,17 +158,26 @@ def lam(epoch: int, epochs: int, schedule: str) -> float:
     return 0.35 * (epochs - epoch) / epochs + 0.1  # the official code (20 -> epochs)
 
 
-def glance_positions(pred_ids, teacher_ids, loss, k: int, lam_value: float, mode: str, gen: random.Random):
-    """Choose positions to replace per sequence.  Returns list of LongTensors (one per sample)."""
+def glance_positions(pred_ids, teacher_ids, loss, k: int, lam_value: float, mode: str, gen: random.Random,
+                     observed=None):
+    """Choose positions to replace per sequence.  Returns list of LongTensors (one per sample).
+
+    N = int(lambda * d), d = Hamming distance between drafter and teacher tokens on the loss
+    positions.  ``observed`` (default: all loss positions) marks where the drafter's tokens were
+    computed; when it is a subset, d is estimated as (errors among observed) * |loss| / |observed|
+    and error-driven glancing picks among the observed errors.
+    """
     out = []
     for b in range(pred_ids.shape[0]):
         m = loss[b].nonzero().flatten()
         if m.numel() < 2 or mode == "none":
             out.append(torch.zeros(0, dtype=torch.long))
             continue
-        wrong = pred_ids[b, m] != teacher_ids[b, m]
-        n = int(lam_value * int(wrong.sum()))
-        cand = m[::k] if mode == "uniform" else m[wrong]
+        o = m if observed is None else observed[b].nonzero().flatten()
+        wrong = pred_ids[b, o] != teacher_ids[b, o]
+        d = int(wrong.sum()) if o.numel() == m.numel() else round(int(wrong.sum()) * m.numel() / max(1, o.numel()))
+        n = int(lam_value * d)
+        cand = m[::k] if mode == "uniform" else o[wrong]
         n = min(n, cand.numel())
         out.append(cand[sorted(gen.sample(range(cand.numel()), n))] if n else torch.zeros(0, dtype=torch.long))
     return out
@@ -108,22 +201,51 @@ def add_noise(feats, lengths, mode: str, gen: torch.Generator):
     return feats + u * scale
 
 
-def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: float = 0.95):
-    """SmoothL1 on features + w_dist * (alpha * soft + (1 - alpha) * CE); logits on loss positions only."""
+def subsample(mask, limit: int | None, gen: torch.Generator | None = None):
+    """A uniformly random subset of at most ``limit`` True positions of ``mask`` (all if limit is None)."""
+    n = int(mask.sum())
+    if not limit or n <= limit:
+        return mask
+    idx = mask.flatten().nonzero().flatten()
+    keep = idx[torch.randperm(n, generator=gen)[:limit]]
+    out = torch.zeros(mask.numel(), dtype=torch.bool)
+    out[keep] = True
+    return out.view_as(mask)
+
+
+def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: float = 0.95, token_mask=None):
+    """SmoothL1 on features + w_dist * (alpha * soft + (1 - alpha) * CE).
+
+    The LM head (the dominant cost) runs only on ``token_mask`` (default: the loss positions; the
+    trainer may pass a random subset of them, an unbiased estimate of the token losses).  The
+    teacher comes from the batch's cached top-k (``teacher_cache``) when present, else from the LM
+    head on the label features.  soft = sum_v p_T(v) (log softmax(t/T) - log softmax(s/T)) (the
+    official form, T = 0.95); CE is against the teacher's argmax token.
+    """
     sel = loss_mask
     n = sel.sum().clamp(min=1)
-    p_sel, t_sel = pred[sel], batch["feat_lbl"][sel]
-    reg = F.smooth_l1_loss(p_sel.float(), t_sel, reduction="none").mean(-1).sum() / n
-    s_logits = drafter.logits(p_sel).float()
-    with torch.no_grad():
-        t_logits = drafter.logits(t_sel).float()
-        p_t = t_logits.softmax(-1)
-        teacher = t_logits.argmax(-1)
-    soft = (p_t * (torch.log_softmax(t_logits / T, -1) - torch.log_softmax(s_logits / T, -1))).sum(-1).sum() / n
-    ce = F.cross_entropy(s_logits, teacher, reduction="sum") / n
+    reg = F.smooth_l1_loss(pred[sel].float(), batch["feat_lbl"][sel], reduction="none").mean(-1).sum() / n
+    tsel = sel if token_mask is None else token_mask
+    nt = tsel.sum().clamp(min=1)
+    s_logits = drafter.logits(pred[tsel]).float()
+    s_lse, s_lseT = s_logits.logsumexp(-1), (s_logits / T).logsumexp(-1)
+    if "t_idx" in batch:
+        idx, val = batch["t_idx"][tsel], batch["t_val"][tsel]
+        p_t = (val - batch["t_lse"][tsel][:, None]).exp()
+        log_t = val / T - batch["t_lseT"][tsel][:, None]
+        log_s = s_logits.gather(1, idx) / T - s_lseT[:, None]
+        soft = (p_t * (log_t - log_s)).sum() / nt
+        teacher = batch["t_arg"][tsel]
+    else:
+        with torch.no_grad():
+            t_logits = drafter.logits(batch["feat_lbl"][tsel]).float()
+            p_t = t_logits.softmax(-1)
+            teacher = t_logits.argmax(-1)
+        soft = (p_t * (torch.log_softmax(t_logits / T, -1) - (s_logits / T - s_lseT[:, None]))).sum() / nt
+    ce = (s_lse - s_logits.gather(1, teacher[:, None])[:, 0]).sum() / nt
     acc = (s_logits.argmax(-1) == teacher).float().mean()
-    return reg + w_dist * (alpha * soft + (1 - alpha) * ce), {"reg": float(reg), "soft": float(soft),
-                                                               "ce": float(ce), "acc": float(acc)}
+    return reg + w_dist * (alpha * soft + (1 - alpha) * ce), {"reg": float(reg.detach()), "soft": float(soft.detach()),
+                                                               "ce": float(ce.detach()), "acc": float(acc)}
 
 
 def forward(drafter, ids, feats, batch):
@@ -147,7 +269,9 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
         pred = forward(drafter, b["ids_in"], b["feat_in"], b)[0]
         L = int(b["lengths"][0])
         sel = b["loss"][0, :L]
-        hit = drafter.logits(pred[:L]).argmax(-1) == drafter.logits(b["feat_lbl"][0, :L]).argmax(-1)
+        teacher = b["t_arg"][0, :L] if "t_arg" in b else drafter.logits(b["feat_lbl"][0, :L]).argmax(-1)
+        hit = torch.zeros(L, dtype=torch.bool)
+        hit[sel] = drafter.logits(pred[:L][sel]).argmax(-1) == teacher[sel]
         r = (torch.arange(L) - (L - k)) % k  # offset inside its (end-aligned) block
         for o in range(k):
             m = sel & (r == o)
@@ -156,7 +280,7 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
     nodes = set(tree.nodes)
     accepted, roots = [], 0
     topk = max(tree.topk, 1)
-    for tok, mask, hid in samples:
+    for tok, mask, hid, *_ in samples:
         start = int(mask.nonzero()[0]) if mask.any() else len(tok)
         rs = list(range(max(start, k), len(tok) - tree.max_depth - 1, 3))
         if not rs or roots >= max_roots:
@@ -181,7 +305,8 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           noise: str = "scaled", w_dist: float = 0.1, alpha: float = 0.9, tree: str | None = None,
           max_steps: int | None = None, seed: int = 0, eval_every_epoch: bool = True, resume: bool = True,
           save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, bf16: bool = False,
-          log=print) -> dict:
+          teacher_topk: int = 64, logit_positions: int | None = 256, max_context: int | None = 128,
+          eval_roots: int = 240, log=print) -> dict:
     from tqdm import tqdm
 
     from falcon_vllm.train.gen_data import load_shards
@@ -196,7 +321,13 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
         k, fusion, glance = 1, "fc", "none"
     tree = tree or ("falcon-llama" if k == 2 else ("eagle-small" if k == 1 else f"chain-{2 * k}"))
     data = load_shards(data_dir) if isinstance(data_dir, str) else data_dir
-    n_val = max(1, len(data) // 20)
+    if teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
+        cache = cached_teacher(data_dir if isinstance(data_dir, str) else None, data, target.get_output_embeddings(),
+                               teacher_topk, log)
+        data = [(*s[:3], c) for s, c in zip(data, cache)]
+    if max_context is not None:
+        data = [crop_context(s, max_context) for s in data]
+    n_val = max(1, len(data) // 16)
     train_set, val_set = data[:-n_val], data[-n_val:]
     cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=layers, tree=tree)
     drafter = FalconDrafter(cfg)
@@ -230,32 +361,35 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
             bar.close()
             return {"stopped": True, "state": state, "out": out_dir}  # resume later from checkpoint.pt
         epoch = state["epoch"]
-        order = list(range(len(train_set)))
-        random.Random(seed + epoch).shuffle(order)
-        start = (state["step"] % steps_per_epoch) * batch_size
-        for i in range(start, len(order), batch_size):
+        batches = epoch_batches(train_set, batch_size, seed + epoch)
+        for bi in range(state["step"] % steps_per_epoch, len(batches)):
             if state["step"] >= total:
                 break
-            batch = make_batch([train_set[j] for j in order[i:i + batch_size]], k, max_len)
+            batch = make_batch([train_set[j] for j in batches[bi]], k, max_len)
             feats = add_noise(batch["feat_in"], batch["lengths"], noise, gen)
             ids = batch["ids_in"]
             loss_mask = batch["loss"]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 if glance != "none":
-                    with torch.no_grad():  # token argmaxes on loss positions only (the LM head dominates)
+                    # token argmaxes on (a random subset of) the loss positions: the LM head dominates
+                    obs = subsample(loss_mask, logit_positions, gen)
+                    with torch.no_grad():
                         pred0 = forward(drafter, ids, feats, batch)
                         p_ids = torch.full_like(ids, -1)
                         t_ids = torch.full_like(ids, -2)
-                        p_ids[loss_mask] = drafter.logits(pred0[loss_mask]).argmax(-1)
-                        t_ids[loss_mask] = drafter.logits(batch["feat_lbl"][loss_mask]).argmax(-1)
-                    pos = glance_positions(p_ids, t_ids, loss_mask, k, lam(epoch, epochs, lambda_schedule), glance, rng)
+                        p_ids[obs] = drafter.logits(pred0[obs]).argmax(-1)
+                        t_ids[obs] = (batch["t_arg"][obs] if "t_arg" in batch
+                                      else drafter.logits(batch["feat_lbl"][obs]).argmax(-1))
+                    pos = glance_positions(p_ids, t_ids, loss_mask, k, lam(epoch, epochs, lambda_schedule), glance, rng,
+                                           observed=obs)
                     ids, feats = apply_glance({**batch, "ids_in": ids, "feat_in": feats}, pos)
                     if glance_loss == "mask":
                         loss_mask = loss_mask.clone()
                         for b, p in enumerate(pos):
                             loss_mask[b, p] = False
                 pred = forward(drafter, ids, feats, batch)
-                loss, parts = losses(drafter, pred, batch, loss_mask, w_dist, alpha)
+                tok_mask = subsample(loss_mask, logit_positions, gen)
+                loss, parts = losses(drafter, pred, batch, loss_mask, w_dist, alpha, token_mask=tok_mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(drafter.parameters(), 0.5)
@@ -267,7 +401,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
         else:
             state["epoch"] += 1
             if eval_every_epoch:
-                ev = evaluate(drafter, val_set, tree_obj, k, max_len)
+                ev = evaluate(drafter, val_set, tree_obj, k, max_len, eval_roots // 2)
                 ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
                 state["history"].append(ev)
                 log(f"epoch {state['epoch']}: {json.dumps(ev)}")
@@ -275,11 +409,13 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                         "state": state, "rng_py": rng.getstate(), "rng_gen": gen.get_state(),
                         "rng_torch": torch.get_rng_state()}, ckpt)
     bar.close()
-    final = evaluate(drafter, val_set, tree_obj, k, max_len)
+    final = evaluate(drafter, val_set, tree_obj, k, max_len, eval_roots)
     final.update(steps=state["step"], seconds=round(time.time() - t0, 1), train_conversations=len(train_set),
                  heldout_conversations=len(val_set))
     cfg.extra = {"training": {"mode": mode, "glance": glance, "glance_loss": glance_loss,
                               "lambda_schedule": lambda_schedule, "noise": noise, "lr": lr, "batch_size": batch_size,
+                              "teacher_topk": teacher_topk, "logit_positions": logit_positions, "epochs": epochs,
+                              "max_context": max_context, "fusion": fusion, "k": k,
                               "steps": state["step"], "heldout": final}}
     drafter.eval()
     drafter.save_pretrained(out_dir, dtype=save_dtype)
@@ -305,9 +441,59 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
               os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 
+RECIPES = {
+    # SmolLM2-135M-Instruct on a 2-core CPU in about 1.5 hours: gen-data (192 ShareGPT first turns x 160
+    # greedy tokens), then the Falcon drafter (k=2, fc fusion, CSGD) and the EAGLE baseline on the same data.
+    "smollm2": {"num_conversations": 192, "max_new_tokens": 160, "gen_batch_size": 16, "epochs": 10,
+                "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
+                "falcon_dir": "smollm2-135m-instruct", "eagle_dir": "smollm2-135m-instruct-eagle",
+                "eagle_ref_dir": "smollm2-135m-instruct-eagle-ref", "eagle_tree": "eagle-small"},
+}
+
+
+def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors")) -> None:
+    import shutil
+
+    os.makedirs(dst, exist_ok=True)
+    for f in files:
+        shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+
+
+def run_recipe(name: str, work: str, install: bool = True, log=print) -> dict:
+    """gen-data + Falcon (CSGD) + EAGLE baseline for a known target; installs into falcon_vllm/drafters."""
+    from falcon_vllm.models import model_path
+    from falcon_vllm.train import gen_data
+
+    r = RECIPES[name]
+    target_dir = str(model_path())
+    data = os.path.join(work, "data")
+    t0 = time.time()
+    gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], r["gen_batch_size"])
+    t_data = time.time() - t0
+    common = dict(target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
+                  save_dtype=torch.bfloat16, log=log)
+    fal = train(data, os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"], **common)
+    eag = train(data, os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
+    out = {"recipe": name, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"], "eagle": eag["final"],
+           "total_seconds": round(time.time() - t0, 1)}
+    if install:
+        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
+        install_drafter(os.path.join(work, "falcon"), os.path.join(shipped, r["falcon_dir"]))
+        install_drafter(os.path.join(work, "eagle", "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
+        install_drafter(os.path.join(work, "eagle"), os.path.join(shipped, r["eagle_ref_dir"]))
+        out["installed"] = [r["falcon_dir"], r["eagle_dir"], r["eagle_ref_dir"]]
+    with open(os.path.join(work, "recipe_log.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
 def add_arguments(p):
-    p.add_argument("--data", required=True, help="gen-data output directory")
-    p.add_argument("--out", required=True, help="output drafter directory (checkpoint.pt for resume)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="run a whole known recipe (gen-data, Falcon drafter, EAGLE baseline) into --work and "
+                        "install the drafters into falcon_vllm/drafters/; resumable")
+    p.add_argument("--work", default=".cache/drafter-run", help="working directory of --recipe")
+    p.add_argument("--data", default=None, help="gen-data output directory")
+    p.add_argument("--out", default=None, help="output drafter directory (checkpoint.pt for resume)")
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--mode", choices=["falcon", "eagle"], default="falcon")
     p.add_argument("--k", type=int, default=2)
@@ -323,6 +509,14 @@ def add_arguments(p):
     p.add_argument("--lambda-schedule", choices=["code", "paper"], default="code")
     p.add_argument("--noise", choices=["scaled", "fixed"], default="scaled")
     p.add_argument("--tree", default=None, help="default tree recorded in the drafter and used for sim tau")
+    p.add_argument("--teacher-topk", type=int, default=64,
+                   help="cache the frozen teacher's top-k once (soft loss over it); 0 = full teacher every step")
+    p.add_argument("--logit-positions", type=int, default=256,
+                   help="LM-head rows per batch for the token losses and the glance pass (random subset of the "
+                        "loss positions; 0 = all)")
+    p.add_argument("--max-context", type=int, default=128,
+                   help="prompt tokens kept before the answer (0 = all)")
+    p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bf16", action="store_true",
                    help="bf16 autocast (off by default: on a 2-core AVX-512 CPU one step measured 26x slower "
@@ -336,11 +530,18 @@ def main(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.recipe:
+        print(json.dumps(run_recipe(args.recipe, args.work), indent=1))
+        return 0
+    if not args.data or not args.out:
+        raise SystemExit("falcon-vllm train: --data and --out are required (or --recipe)")
     res = train(args.data, args.out, target_dir=args.target or str(model_path()), mode=args.mode, k=args.k,
                 fusion=args.fusion, layers=args.layers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                 max_len=args.max_len, glance=args.glance, glance_loss=args.glance_loss,
                 lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
-                save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16)
+                save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16, teacher_topk=args.teacher_topk,
+                logit_positions=args.logit_positions or None, max_context=args.max_context or None,
+                eval_roots=args.eval_roots)
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res["final"]))
