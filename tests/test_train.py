@@ -126,3 +126,43 @@ def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
     keys = set(load_file(str(tmp_path / "e" / "vllm-eagle" / "model.safetensors")))
     assert "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
     assert not any(k.startswith("layers.0.input_layernorm") for k in keys)
+
+
+def test_cached_teacher_matches_full_teacher(target, data):
+    """With top-k = vocab the cached teacher gives exactly the losses of the full teacher."""
+    from falcon_vllm.config import FalconConfig
+    from falcon_vllm.train.trainer import teacher_cache, subsample, crop_context
+
+    torch.manual_seed(0)
+    d = FalconDrafter(FalconConfig.from_target(target.config, k=2)).attach_target(
+        target.get_input_embeddings(), target.get_output_embeddings())
+    cache = teacher_cache(data[:4], target.get_output_embeddings(), topk=64)
+    plain = make_batch(data[:4], 2, 64)
+    cached = make_batch([(*s, c) for s, c in zip(data[:4], cache)], 2, 64)
+    assert torch.equal(plain["loss"], cached["loss"])
+    pred = forward(d, plain["ids_in"], plain["feat_in"], plain)
+    l0, p0 = losses(d, pred, plain, plain["loss"], 0.1, 0.9)
+    l1, p1 = losses(d, pred, cached, cached["loss"], 0.1, 0.9)
+    assert abs(p0["soft"] - p1["soft"]) < 1e-4 and abs(p0["ce"] - p1["ce"]) < 1e-4 and abs(float(l0 - l1)) < 1e-4
+    # a random subset of the loss positions for the LM head: a subset, of the requested size
+    sub = subsample(plain["loss"], 50, torch.Generator().manual_seed(0))
+    assert int(sub.sum()) == 50 and not (sub & ~plain["loss"]).any()
+    # cropped prompt context keeps every answer token and its feature
+    tok, mask, hid = data[0]
+    c = crop_context((tok, mask, hid), 2)
+    assert int(c[1].sum()) == int(mask.sum()) and int((~c[1]).sum()) == 2 and torch.equal(c[2][-1], hid[-1])
+
+
+def test_glancing_with_observed_subset(data):
+    k = 2
+    b = make_batch(data[:4], k, 64)
+    teacher = b["lbl_ids"]
+    pred = torch.where(torch.rand(teacher.shape, generator=torch.Generator().manual_seed(1)) < 0.5, teacher, -1)
+    obs = b["loss"].clone()
+    obs[:, ::2] = False  # drafter tokens known on half of the loss positions
+    pos = glance_positions(pred, teacher, b["loss"], k, 1.0, "error", random.Random(0), observed=obs)
+    for i, p in enumerate(pos):
+        o = obs[i].nonzero().flatten()
+        wrong = int((pred[i, o] != teacher[i, o]).sum())
+        assert len(p) == min(round(wrong * int(b["loss"][i].sum()) / len(o)), wrong)  # d scaled to all positions
+        assert obs[i, p].all() and (pred[i, p] != teacher[i, p]).all()
