@@ -166,3 +166,34 @@ def test_glancing_with_observed_subset(data):
         wrong = int((pred[i, o] != teacher[i, o]).sum())
         assert len(p) == min(round(wrong * int(b["loss"][i].sum()) / len(o)), wrong)  # d scaled to all positions
         assert obs[i, p].all() and (pred[i, p] != teacher[i, p]).all()
+
+
+class _FakeChatTokenizer:
+    """A chat template over a tiny vocabulary: <s>=1 user=2 asst=3 eot=4 text chars -> 5 + ord % 50."""
+
+    def apply_chat_template(self, msgs, add_generation_prompt=False):
+        out = [1]
+        for m in msgs:
+            out += [2 if m["role"] == "user" else 3] + [5 + ord(c) % 50 for c in m["content"]] + [4, 60]
+        return out + ([3] if add_generation_prompt else [])
+
+
+def test_gen_data_two_turns(target):
+    from falcon_vllm.train.gen_data import multi_turn
+
+    tok = _FakeChatTokenizer()
+    convs = [[{"from": "human", "value": "ab"}, {"from": "gpt", "value": "x"}, {"from": "human", "value": "cd"}],
+             [{"from": "human", "value": "ef"}, {"from": "gpt", "value": "y"}]]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c[0]["value"]}], True) for c in convs]
+    out = multi_turn(target, tok, convs, prompts, 6, 0, {4}, max_turns=2, max_total_tokens=200)
+    t0, m0, _ = out[0]
+    t0, m0 = t0.tolist(), m0.tolist()
+    # turn 1 answer, closed by eot, then separator + next user turn + generation prompt, then turn 2 answer
+    p = len(prompts[0])
+    first = t0[p:p + 6]
+    assert m0[:p] == [0] * p and m0[p:p + 6] == [1] * 6
+    suffix = [4, 60, 2, 5 + ord("c") % 50, 5 + ord("d") % 50, 4, 60, 3] if 4 not in first else None
+    if suffix:
+        assert t0[p + 6:p + 6 + len(suffix)] == suffix and m0[p + 6:p + 6 + len(suffix)] == [0] * len(suffix)
+        assert m0[p + 6 + len(suffix):] == [1] * 6 and len(t0) == p + 6 + len(suffix) + 6
+    assert len(out[1][0]) == len(prompts[1]) + 6  # a single-turn conversation stays single-turn

