@@ -35,7 +35,8 @@ models: venv
 	$(PY) -m falcon_vllm.cli prepare-models
 
 test: models
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x tests --ignore=tests/test_kernels.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py
 
 test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow" tests
