@@ -36,7 +36,7 @@ VARIANTS = {
 
 
 def worker(args) -> int:
-    """Train one variant, then evaluate it on chain-4 too (runs in its own process)."""
+    """Train one variant, then score several trees on its held-out rank profiles (in its own process)."""
     import torch
 
     torch.set_num_threads(1)
@@ -45,15 +45,14 @@ def worker(args) -> int:
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import crop_context, evaluate
-    from falcon_vllm.tree import build_tree
+    from falcon_vllm.train.trainer import crop_context
 
     out = os.path.join(args.work, args.worker)
     flags, _ = VARIANTS[args.worker]
     from falcon_vllm import cli
     rc = cli.main(["train", "--data", args.data, "--out", out, "--fusion", "fc", "--k", "2", "--epochs",
                    str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--threads", "1",
-                   "--save-dtype", "bfloat16"] + flags)
+                   "--save-dtype", "bfloat16", "--eval-roots", "60"] + flags)
     if rc:
         return rc
     target = AutoModelForCausalLM.from_pretrained(str(model_path()), dtype=torch.float32).eval()
@@ -61,10 +60,46 @@ def worker(args) -> int:
                                                                         target.get_output_embeddings())
     data = [crop_context(s, 128) for s in load_shards(args.data)]
     val = data[-max(1, len(data) // 16):]
-    ev = evaluate(d, val, build_tree("chain-4", d.config.k), d.config.k, 384, 240)
-    with open(os.path.join(out, "eval_chain4.json"), "w") as f:
-        json.dump(ev, f)
+    with open(os.path.join(out, "eval_trees.json"), "w") as f:
+        json.dump(sim_tau_trees(d, val, TREES[d.config.k]), f)
     return 0
+
+
+TREES = {2: ["falcon-llama", "falcon-vicuna", "chain-4", "chain-6", "chain-8"],
+         1: ["eagle-small", "eagle-medium", "chain-4", "chain-6", "chain-8"]}
+
+
+def sim_tau_trees(drafter, samples, names, max_roots: int = 240, stride: int = 3):
+    """Held-out simulated tau of several trees from one set of true-path rank profiles (top-20, depth 8)."""
+    import torch
+
+    from falcon_vllm.tree import build_tree
+    from falcon_vllm.tune_tree import rank_profile
+
+    k = drafter.config.k
+    trees = {n: build_tree(n, k) for n in names}
+    depth = max(t.max_depth for t in trees.values())
+    profs = []
+    with torch.inference_mode():
+        for tok, mask, hid, *_ in samples:
+            start = int(mask.nonzero()[0]) if mask.any() else len(tok)
+            rs = list(range(max(start, k), len(tok) - depth - 1, stride))[: max_roots - len(profs)]
+            if rs:
+                profs += rank_profile(drafter, tok, hid.float(), depth, 20, rs)
+            if len(profs) >= max_roots:
+                break
+    out = {"roots": len(profs)}
+    for n, t in trees.items():
+        nodes = set(t.nodes)
+        acc = []
+        for prof in profs:
+            a = 0
+            while a < len(prof) and tuple(prof[:a + 1]) in nodes:
+                a += 1
+            acc.append(a)
+        out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "nodes": t.num_nodes,
+                  "drafter_passes": t.num_passes}
+    return out
 
 
 def prepare_teacher(data_dir):
@@ -82,7 +117,7 @@ def prepare_teacher(data_dir):
 
 def run_variant(name, args):
     out = os.path.join(args.work, name)
-    if os.path.exists(os.path.join(out, "eval_chain4.json")):
+    if os.path.exists(os.path.join(out, "eval_trees.json")):
         return name, 0
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--data", args.data, "--work", args.work,
@@ -98,7 +133,7 @@ def report(args, names):
         out = os.path.join(args.work, name)
         try:
             res = json.load(open(os.path.join(out, "training_log.json")))
-            chain = json.load(open(os.path.join(out, "eval_chain4.json")))
+            trees = json.load(open(os.path.join(out, "eval_trees.json")))
             cfg = json.load(open(os.path.join(out, "config.json")))
         except FileNotFoundError:
             continue
@@ -107,7 +142,8 @@ def report(args, names):
         tr.pop("heldout", None)
         rows.append({"variant": name, "what": VARIANTS[name][1], "k": cfg["falcon"]["k"],
                      "tree": cfg["falcon"].get("tree"), "top1_by_block_position": fin["top1_by_block_position"],
-                     "sim_tau_tree": fin["sim_tau"], "sim_tau_chain4": chain["sim_tau"], "sim_roots": fin["sim_roots"],
+                     "sim_tau_tree": trees[cfg["falcon"].get("tree")]["sim_tau"], "sim_tau_chain4": trees["chain-4"]["sim_tau"],
+                     "sim_tau_trees": {n: v for n, v in trees.items() if n != "roots"}, "sim_roots": trees["roots"],
                      "steps": fin["steps"], "train_seconds": fin["seconds"], "training": tr,
                      "history": [{"epoch": h["epoch"], "sim_tau": h["sim_tau"],
                                   "top1": h["top1_by_block_position"]} for h in res["history"]]})
@@ -134,6 +170,14 @@ def report(args, names):
         md.append(f"| {r['variant']} | {r['k']} | {', '.join(f'{x:.3f}' for x in r['top1_by_block_position'])} | "
                   f"{r['sim_tau_tree']:.3f} ({r['tree']}) | {r['sim_tau_chain4']:.3f} | {r['steps']} | "
                   f"{r['train_seconds']:.0f} | {r['what']} |")
+    md += ["", "Held-out simulated tau per tree (same rank profiles: top-20, depth 8; nodes = tree size):", "",
+           "| variant | " + " | ".join(f"tree {i}" for i in range(5)) + " |", "|---|" + "---|" * 5]
+    for r in rows:
+        md.append(f"| {r['variant']} | " + " | ".join(f"{n} ({v['nodes']} nodes): {v['sim_tau']:.3f}"
+                                                    for n, v in r["sim_tau_trees"].items()) + " |")
+    md += ["", "Held-out sim tau of the variant's own tree after each epoch:", ""]
+    for r in rows:
+        md.append(f"- {r['variant']}: " + ", ".join(f"{h['sim_tau']:.2f}" for h in r["history"]))
     with open(os.path.join(args.results, args.name + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -401,7 +401,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
         else:
             state["epoch"] += 1
             if eval_every_epoch:
-                ev = evaluate(drafter, val_set, tree_obj, k, max_len, eval_roots // 2)
+                ev = evaluate(drafter, val_set, tree_obj, k, max_len, max(12, eval_roots // 5))
                 ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
                 state["history"].append(ev)
                 log(f"epoch {state['epoch']}: {json.dumps(ev)}")
@@ -457,6 +457,14 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
     os.makedirs(dst, exist_ok=True)
     for f in files:
         shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    tgt = cfg.get("falcon", {}).get("target", {})
+    if "name" in tgt:  # record the target's name, not where it lay on the training machine
+        tgt["name"] = os.path.basename(str(tgt["name"]).rstrip("/"))
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def run_recipe(name: str, work: str, install: bool = True, log=print) -> dict:
