@@ -1,185 +1,361 @@
-"""Tree verification: greedy and exactly lossless sampling (pure torch).
+"""Tree verification: greedy and exactly lossless sampling (pure torch, no vLLM import).
 
-Vocabulary (as in vLLM's rejection sampler): a draft token is *accepted* when verification keeps
-it; after the last accepted node one more token is emitted from the target's distribution there:
-the *bonus* token (after a rejection it is drawn from the residual distribution, which makes it the
-"recovered" token of chain samplers).
+Vocabulary (as in vLLM's rejection sampler):
 
-``target_logits[b, s]`` are the target's logits for the token that follows slot s (slot 0 = the
-root / pending token, slot i = node i - 1), i.e. computed with s's ancestors as context.
+* a *node* is a draft token in the static tree (slot ``i + 1`` holds node ``i``); slot 0 is the
+  *root*, the pending token that the target sampled last round and is now feeding to itself;
+* a node is *accepted* when verification keeps it.  Accepted nodes always form one root-to-node
+  path, so a request's outcome is fully described by its *last accepted slot* (0 if none);
+* after the last accepted slot exactly one more token is emitted from the target's distribution
+  there: the *bonus* token.  When verification stopped because drafts were rejected, the bonus is
+  drawn from the residual distribution, so it is also what chain samplers call the "recovered"
+  token.  Every round therefore emits ``num_accepted + 1`` tokens.
 
-Greedy: the longest path whose every token equals the argmax of its parent's logits.
+Inputs shared by the verifiers: ``node_tokens[b, i]`` is the token of slot ``i + 1``;
+``target_logits[b, s]`` are the target's logits for the token that *follows* slot s, computed with
+the root and s's ancestors as context (one target forward over root + N nodes under an ancestor
+mask).
 
-Sampling: recursive rejection sampling over siblings (SpecInfer, Miao et al. 2024; EAGLE's
-multi-draft verifier; Jeon et al. 2024 "Recursive Speculative Decoding" for drafts drawn without
-replacement).  At the current node u with target distribution p, the children c_1..c_m (rank
-order) are tried in turn: c_i is accepted with probability min(1, p(t_i) / q_i(t_i)); on rejection
-p <- norm(max(p - q_i, 0)) and q_{i+1} <- q_i with t_i removed, renormalised.  Deterministic top-k
-drafts are point-mass proposals (q_i = delta(t_i)), so acceptance is p(t_i) and the residual is p
-with t_i removed.  Whatever the drafter, the emitted token at every step is distributed exactly as
-p: the output distribution equals the target's (tested statistically in tests/test_verify.py).
+Greedy (temperature 0): the longest root-to-node path whose every token equals the argmax of its
+parent's logits (Medusa / EAGLE tree decoding); ties between equally deep paths go to the first
+slot.  The output is token-identical to plain greedy decoding.
+
+Sampling: recursive rejection sampling over siblings -- SpecInfer's multi-draft verifier (Miao et
+al., ASPLOS 2024), the verifier of EAGLE's trees (Li et al., ICML 2024), and, for drafts drawn
+without replacement, Recursive Speculative Decoding (Jeon et al., 2024).  At the current slot u
+(starting at the root) let p be the target's processed distribution there and c_1..c_m u's
+children in rank order, with tokens t_1..t_m:
+
+* child c_i is accepted with probability ``min(1, p_i(t_i) / q_i(t_i))``; on acceptance the walk
+  moves to c_i and starts again with the target's distribution at c_i;
+* on rejection ``p_{i+1} = norm(max(p_i - q_i, 0))`` (the residual) and
+  ``q_{i+1} = norm(q_i with t_i removed)`` (the law of the next draw without replacement);
+* when every child is rejected, or u is a leaf, the bonus token is drawn from the current p.
+
+By induction over the siblings, the emitted token at every position is distributed exactly as the
+target's p whatever the drafter proposes, so the output distribution equals the target's
+(tests/test_verify.py checks this statistically against an enumerated target distribution).
+
+Deterministic drafts (the drafter's top-m tokens, Falcon's and EAGLE's static trees) are point-mass
+proposals ``q_i = delta(t_i)``: c_i is accepted with probability ``p_i(t_i)`` and the residual is
+``p_i`` with ``t_i`` zeroed and renormalised.  Chaining these steps is equivalent in law to drawing
+one token ``x ~ p`` and accepting the first child whose token is ``x`` (the bonus being ``x`` when
+none matches), which is how :func:`sample_verify` implements that case: one draw per depth.
+
+Degenerate inputs never produce NaN: a residual with no mass left (its rejection had probability
+zero) leaves p unchanged, and a child whose token has zero draft probability (it cannot have been
+drawn from ``q_i``, e.g. a filler token) is skipped without touching p or q, so its target mass
+stays in the residual and is emitted through the bonus token.
+
+Differences from the official Falcon code (FALCON_REFERENCE.md 4.8): the official sampler
+re-verifies the pending token, reads draft probabilities one slot off, uses the wrong residual row
+and disables sibling masking; it is neither lossless nor crash-free.  Here every node's draft
+distribution is ``draft_probs[b, parent]`` and the residual is carried across siblings.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from falcon_vllm.tree import DecodingTree
 
+__all__ = ["VerifyResult", "probs_from_logits", "greedy_verify", "sample_verify", "output_token_lists"]
 
+
+# ---------------------------------------------------------------------- result
 @dataclass
 class VerifyResult:
-    accepted_slots: list[list[int]]  # per request: slots of accepted nodes in path order (root excluded)
-    bonus_tokens: torch.Tensor       # [B] int64, emitted after the last accepted slot
-    num_accepted: torch.Tensor       # [B] int64 = len(accepted_slots[b])
+    """Outcome of verifying one tree per request.
+
+    Attributes:
+        accepted_slots: per request, the slots of the accepted nodes in path order (root excluded;
+            may be empty).
+        bonus_tokens: [B] int64, the token emitted after the last accepted slot.
+        num_accepted: [B] int64, ``len(accepted_slots[b])``.
+    """
+
+    accepted_slots: list[list[int]]
+    bonus_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+    @property
+    def last_slots(self) -> torch.Tensor:
+        """[B] int64 deepest accepted slot per request (0 = only the root)."""
+        return torch.tensor([p[-1] if p else 0 for p in self.accepted_slots], dtype=torch.long)
 
     def output_tokens(self, node_tokens: torch.Tensor) -> list[list[int]]:
-        """Accepted node tokens followed by the bonus token, per request."""
-        return [[int(node_tokens[b, s - 1]) for s in path] + [int(self.bonus_tokens[b])]
-                for b, path in enumerate(self.accepted_slots)]
+        """Per request: the accepted node tokens followed by the bonus token."""
+        return output_token_lists(self, node_tokens)
+
+    def output_token_ids(self, node_tokens: torch.Tensor, width: int | None = None,
+                         pad: int = -1) -> torch.Tensor:
+        """[B, width] int64 tokens emitted per request, right-padded with ``pad``.
+
+        ``width`` defaults to ``1 + max(num_accepted)``; vLLM's samplers use ``max_depth + 1`` and
+        ``pad = -1`` (its placeholder token id).
+        """
+        rows = self.output_tokens(node_tokens)
+        width = max(len(r) for r in rows) if width is None else width
+        if any(len(r) > width for r in rows):
+            raise ValueError(f"output_token_ids: width {width} is smaller than an output row")
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def _per_request(x, B: int, dtype, default):
+def output_token_lists(result: VerifyResult, node_tokens: torch.Tensor) -> list[list[int]]:
+    """Batched: ``[node_tokens[b, s - 1] for s in accepted_slots[b]] + [bonus_tokens[b]]`` per request.
+
+    Two device-to-host copies for the whole batch (no per-element ``int()``).
+    """
+    toks = node_tokens.tolist()
+    bonus = result.bonus_tokens.tolist()
+    return [[toks[b][s - 1] for s in path] + [bonus[b]] for b, path in enumerate(result.accepted_slots)]
+
+
+# ---------------------------------------------------------------------- tree tables
+class _Tables:
+    """Tensors derived from a tree, cached per (tree, device)."""
+
+    def __init__(self, tree: DecodingTree, device: torch.device):
+        S = tree.num_slots
+        ch = tree.children
+        cmax = max(1, max(len(c) for c in ch))
+        table = torch.full((S, cmax), -1, dtype=torch.long)
+        for s, c in enumerate(ch):
+            if c:
+                table[s, : len(c)] = torch.tensor(c, dtype=torch.long)
+        depth = tree.depth.tolist()
+        self.parent = tree.parent.to(device)
+        self.depth = tree.depth.to(device)
+        self.children = table.to(device)                     # [S, Cmax], -1 padded, rank order
+        self.max_depth = tree.max_depth
+        self.slots_at = [torch.tensor([s for s in range(S) if depth[s] == d], dtype=torch.long,
+                                      device=device) for d in range(tree.max_depth + 1)]
+        # most children of any slot at depth d (bounds the sibling loop of sampled drafts)
+        self.width_at = [max(len(ch[s]) for s in range(S) if depth[s] == d)
+                         for d in range(tree.max_depth + 1)]
+        par = tree.parent.tolist()
+        paths: list[list[int]] = [[]]
+        for s in range(1, S):
+            paths.append(paths[par[s]] + [s])
+        self.root_paths = paths                              # root_paths[s]: slots root->s, root excluded
+
+
+_TABLES: "weakref.WeakKeyDictionary[DecodingTree, dict]" = weakref.WeakKeyDictionary()
+
+
+def _tables(tree: DecodingTree, device: torch.device) -> _Tables:
+    per_tree = _TABLES.setdefault(tree, {})
+    key = str(device)
+    if key not in per_tree:
+        per_tree[key] = _Tables(tree, device)
+    return per_tree[key]
+
+
+def _result(tab: _Tables, last: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+    paths = [list(tab.root_paths[s]) for s in last.tolist()]
+    return VerifyResult(paths, bonus.long(), tab.depth.gather(0, last))
+
+
+def _check_shapes(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: torch.Tensor) -> None:
+    B, N = node_tokens.shape
+    if N != tree.num_nodes:
+        raise ValueError(f"node_tokens has {N} nodes per request, the tree has {tree.num_nodes}")
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (B, tree.num_slots):
+        raise ValueError(f"target_logits must be [B={B}, 1+N={tree.num_slots}, V], "
+                         f"got {list(target_logits.shape)}")
+
+
+# ---------------------------------------------------------------------- processing
+def _per_request(x, B: int, dtype: torch.dtype, device, default) -> torch.Tensor:
     if x is None:
-        return torch.full((B,), default, dtype=dtype)
+        return torch.full((B,), default, dtype=dtype, device=device)
     if isinstance(x, torch.Tensor):
-        return x.to(dtype).reshape(-1).expand(B) if x.numel() == 1 else x.to(dtype)
-    return torch.full((B,), x, dtype=dtype)
+        x = x.to(device=device, dtype=dtype).reshape(-1)
+        if x.numel() == 1:
+            return x.expand(B)
+        if x.numel() != B:
+            raise ValueError(f"per-request parameter has {x.numel()} values for a batch of {B}")
+        return x
+    return torch.full((B,), x, dtype=dtype, device=device)
 
 
 def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (smallest set with mass >= top_p; the argmax always kept).
+    """Target (or drafter) sampling distribution, processed like common engines (vLLM, HF).
+
+    Order: divide by the temperature, then top-k (keep tokens whose logit is >= the k-th largest,
+    so ties at the boundary are kept), then top-p (in descending order keep the smallest prefix
+    whose mass is >= top_p, i.e. a token is kept iff the mass of the tokens before it is < top_p;
+    the argmax is always kept), then softmax.
 
     Args:
-        logits: [B, V] (or [B, S, V]) float.
-        temperature: float or [B] (must be > 0 here); top_k: int or [B], 0/None = off;
-        top_p: float or [B], 1.0/None = off.
-    Returns: fp32 probabilities of the same shape.
+        logits: [..., V] float (any float dtype; computed in fp32).  The per-request parameters
+            index the first dimension (B); further leading dimensions share their row's settings.
+        temperature: float or [B].  Rows with temperature <= 0 get a one-hot at the argmax of the
+            raw logits (the T -> 0 limit; greedy verification handles them separately).
+        top_k: None, int or [B]; 0 (or >= V) disables it for that row.
+        top_p: None, float or [B]; 1.0 disables it for that row.
+
+    Returns:
+        fp32 probabilities with the shape of ``logits``.
     """
-    squeeze = logits.dim() == 2
     x = logits.float()
-    if squeeze:
-        x = x[:, None]
-    B, V = x.shape[0], x.shape[-1]
-    t = _per_request(temperature, B, torch.float32, 1.0)
-    if (t <= 0).any():
-        raise ValueError("probs_from_logits: temperature must be > 0 (use greedy verification for 0)")
-    x = x / t[:, None, None]
-    k = _per_request(top_k, B, torch.long, 0)
-    if (k > 0).any():
-        kk = torch.where(k > 0, k.clamp(max=V), torch.full_like(k, V))
-        sorted_x = x.sort(dim=-1, descending=True).values
-        kth = sorted_x.gather(-1, (kk - 1)[:, None, None].expand(B, x.shape[1], 1))
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = _per_request(top_p, B, torch.float32, 1.0)
-    if (p < 1).any():
-        sx, idx = x.sort(dim=-1, descending=True)
-        sp = sx.softmax(-1)
-        cum_before = sp.cumsum(-1) - sp  # mass of strictly better tokens
-        drop = cum_before >= p[:, None, None]
-        drop[..., 0] = False
-        sx = sx.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(-1, idx, sx)
-    out = x.softmax(-1)
-    return out[:, 0] if squeeze else out
+    shape = x.shape
+    V = shape[-1]
+    B = shape[0] if x.dim() > 1 else 1
+    x = x.reshape(B, -1, V)
+    dev = x.device
+    t = _per_request(temperature, B, torch.float32, dev, 1.0)
+    greedy = t <= 0
+    x = x / torch.where(greedy, torch.ones_like(t), t)[:, None, None]
+    if top_k is not None:
+        k = _per_request(top_k, B, torch.long, dev, 0)
+        on = (k > 0) & (k < V)
+        if bool(on.any()):
+            k = torch.where(on, k, torch.ones_like(k))
+            kth = x.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None, None].expand(B, x.shape[1], 1))
+            x = x.masked_fill((x < kth) & on[:, None, None], float("-inf"))
+    if top_p is not None:
+        p = _per_request(top_p, B, torch.float32, dev, 1.0)
+        if bool((p < 1).any()):
+            sx, idx = x.sort(dim=-1, descending=True)
+            sp = sx.softmax(-1)
+            before = torch.cumsum(sp, -1)
+            before = torch.cat([torch.zeros_like(before[..., :1]), before[..., :-1]], -1)
+            drop = (before >= p[:, None, None]) & (p < 1)[:, None, None]
+            drop[..., 0] = False
+            x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    probs = x.softmax(-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.float().reshape(B, -1, V).argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], onehot, probs)
+    return probs.reshape(shape)
+
+
+# ---------------------------------------------------------------------- greedy
+def _greedy_last(tab: _Tables, node_tokens: torch.Tensor, target_logits: torch.Tensor):
+    """(last accepted slot [B], bonus [B]) of greedy verification; loops over depths only."""
+    B = node_tokens.shape[0]
+    argmax = target_logits.argmax(-1)                                      # [B, S]
+    ok = torch.zeros(argmax.shape, dtype=torch.bool, device=argmax.device)
+    ok[:, 0] = True
+    for d in range(1, tab.max_depth + 1):
+        slots = tab.slots_at[d]
+        par = tab.parent[slots]
+        ok[:, slots] = ok[:, par] & (node_tokens[:, slots - 1] == argmax[:, par])
+    score = torch.where(ok, tab.depth[None].expand(B, -1), torch.full_like(argmax, -1))
+    last = score.argmax(-1)  # first maximal index = first slot among the deepest accepted
+    return last, argmax.gather(1, last[:, None]).squeeze(1)
 
 
 def greedy_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
-    """Longest path whose tokens equal the target argmax at their parents.
+    """Greedy tree verification.
 
-    node_tokens [B, N] int64; target_logits [B, 1+N, V].  Loops over depths only.
+    Accepts the longest path whose every node token equals the argmax of the target logits at its
+    parent; among equally deep paths the one ending at the lowest slot wins.  The bonus token is
+    the argmax at the last accepted slot (the root if nothing was accepted).
+
+    Args:
+        tree: the decoding tree.
+        node_tokens: [B, N] int64.
+        target_logits: [B, 1 + N, V].
+
+    Vectorised over batch and nodes; loops over depths only.
     """
-    B = node_tokens.shape[0]
-    argmax = target_logits.argmax(-1)                                  # [B, 1+N]
-    parent, depth = tree.parent, tree.depth
-    ok = torch.zeros(B, tree.num_slots, dtype=torch.bool)
-    ok[:, 0] = True
-    for d in range(1, tree.max_depth + 1):
-        slots = (depth == d).nonzero().flatten()
-        par = parent[slots]
-        ok[:, slots] = ok[:, par] & (node_tokens[:, slots - 1] == argmax[:, par])
-    # deepest accepted slot; among equal depths the first in slot order
-    score = torch.where(ok, depth[None].expand(B, -1), torch.full_like(ok, -1, dtype=torch.long))
-    best = score.argmax(-1)  # argmax returns the first maximal index
-    paths = [_path_to(tree, int(s)) for s in best]
-    bonus = argmax.gather(1, best[:, None]).squeeze(1)
-    return VerifyResult(paths, bonus, torch.tensor([len(p) for p in paths], dtype=torch.long))
+    _check_shapes(tree, node_tokens, target_logits)
+    tab = _tables(tree, target_logits.device)
+    last, bonus = _greedy_last(tab, node_tokens.to(target_logits.device), target_logits)
+    return _result(tab, last, bonus)
 
 
-def _path_to(tree: DecodingTree, slot: int) -> list[int]:
-    par = tree.parent
-    path = []
-    while slot > 0:
-        path.append(slot)
-        slot = int(par[slot])
-    return path[::-1]
-
-
-def _normalize(p: torch.Tensor) -> torch.Tensor | None:
-    s = p.sum()
-    return p / s if s > 0 else None
-
-
+# ---------------------------------------------------------------------- sampling
 def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: torch.Tensor, temperature,
                   top_k=None, top_p=None, draft_probs: torch.Tensor | None = None,
                   generator: torch.Generator | None = None) -> VerifyResult:
-    """Exact recursive rejection sampling over tree siblings (see module docstring).
+    """Exactly lossless tree verification by recursive rejection sampling over siblings.
+
+    See the module docstring for the algorithm (SpecInfer / EAGLE multi-draft verification; Jeon
+    et al.'s recursive speculative decoding for drafts drawn without replacement).
 
     Args:
-        node_tokens: [B, N] int64; target_logits: [B, 1+N, V].
-        temperature/top_k/top_p: float or [B]; requests with temperature 0 are verified greedily.
-        draft_probs: [B, 1+N, V] or None.  ``draft_probs[b, u]`` is the distribution from which
-            u's children were drawn without replacement, in rank order.  None = deterministic
-            drafts (point masses).
+        tree: the decoding tree.
+        node_tokens: [B, N] int64.
+        target_logits: [B, 1 + N, V].
+        temperature, top_k, top_p: scalars or [B] per-request values, applied to the target logits
+            by :func:`probs_from_logits`.  Requests with temperature <= 0 are verified greedily
+            (identical to :func:`greedy_verify` for them).
+        draft_probs: None for deterministic drafts (each child is a point-mass proposal, e.g. the
+            drafter's top-m tokens), or [B, 1 + N, V] where ``draft_probs[b, u]`` is the drafter
+            distribution from which u's children were drawn without replacement, in rank order.
+            It must be the distribution actually sampled from (after the drafter's own
+            temperature/top-k/top-p), otherwise the output is not lossless.
+        generator: torch.Generator on the logits' device, for reproducible draws.
+
+    Returns:
+        :class:`VerifyResult`.  The walk is vectorised over the batch; it loops over depths (and,
+        for sampled drafts, over sibling ranks) with one host sync per depth to stop early.
     """
-    B = node_tokens.shape[0]
-    temp = _per_request(temperature, B, torch.float32, 1.0)
-    tk = _per_request(top_k, B, torch.long, 0)
-    tp = _per_request(top_p, B, torch.float32, 1.0)
-    paths: list[list[int]] = []
-    bonus = torch.zeros(B, dtype=torch.long)
-    children = tree.children
-    for b in range(B):
-        if temp[b] <= 0:
-            g = greedy_verify(tree, node_tokens[b:b + 1], target_logits[b:b + 1])
-            paths.append(g.accepted_slots[0])
-            bonus[b] = g.bonus_tokens[0]
-            continue
-        probs = probs_from_logits(target_logits[b].float(), temp[b:b + 1].expand(target_logits.shape[1]),
-                                  tk[b:b + 1].expand(target_logits.shape[1]),
-                                  tp[b:b + 1].expand(target_logits.shape[1]))     # [1+N, V]
-        u, path = 0, []
-        while True:
-            p = probs[u].clone()
-            q = draft_probs[b, u].float().clone() if draft_probs is not None else None
-            moved = False
-            for c in children[u]:
-                t = int(node_tokens[b, c - 1])
-                if q is None:
-                    accept_prob = float(p[t])
-                else:
-                    qt = float(q[t])
-                    accept_prob = (1.0 if p[t] > 0 else 0.0) if qt <= 0 else min(1.0, float(p[t]) / qt)
-                if float(torch.rand((), generator=generator)) < accept_prob:
-                    path.append(c)
-                    u, moved = c, True
-                    break
-                if q is None:
-                    p[t] = 0.0
-                    p = _normalize(p)
-                else:
-                    p = _normalize((p - q).clamp_min(0.0))
-                    q[t] = 0.0
-                    q = _normalize(q)
-                if p is None:  # numerically exhausted (cannot happen with exact arithmetic)
-                    p = probs[u].clone()
-                    break
-                if q is None and draft_probs is not None:
-                    q = torch.zeros_like(p)  # no draft mass left: later children are never accepted
-            if not moved:
-                bonus[b] = int(torch.multinomial(p, 1, generator=generator))
-                break
-        paths.append(path)
-    return VerifyResult(paths, bonus, torch.tensor([len(p) for p in paths], dtype=torch.long))
+    _check_shapes(tree, node_tokens, target_logits)
+    dev = target_logits.device
+    B, S, V = target_logits.shape
+    tab = _tables(tree, dev)
+    node_tokens = node_tokens.to(dev)
+    temp = _per_request(temperature, B, torch.float32, dev, 1.0)
+    tk = None if top_k is None else _per_request(top_k, B, torch.long, dev, 0)
+    tp = None if top_p is None else _per_request(top_p, B, torch.float32, dev, 1.0)
+    greedy = temp <= 0
+    if bool(greedy.all()):
+        return greedy_verify(tree, node_tokens, target_logits)
+    if draft_probs is not None and draft_probs.shape != target_logits.shape:
+        raise ValueError(f"draft_probs must be [B, 1+N, V] = {list(target_logits.shape)}, "
+                         f"got {list(draft_probs.shape)}")
+
+    rows = torch.arange(B, device=dev)
+    u = torch.zeros(B, dtype=torch.long, device=dev)           # current slot
+    active = torch.ones(B, dtype=torch.bool, device=dev)       # still walking
+    bonus = torch.zeros(B, dtype=torch.long, device=dev)
+    for d in range(tab.max_depth + 1):
+        p = probs_from_logits(target_logits[rows, u], temp, tk, tp)           # [B, V]
+        ch = tab.children[u]                                                  # [B, Cmax]
+        ch_tok = node_tokens.gather(1, (ch - 1).clamp_min(0))                 # [B, Cmax]
+        if draft_probs is None:
+            # point-mass proposals: sequential acceptance == draw x ~ p, take the first child equal to x
+            x = torch.multinomial(p, 1, generator=generator).squeeze(1)
+            match = (ch >= 0) & (ch_tok == x[:, None])
+            found = match.any(1)
+            nxt = ch.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1)
+        else:
+            q = draft_probs[rows, u].float()
+            q = q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+            found = torch.zeros(B, dtype=torch.bool, device=dev)
+            nxt = u.clone()
+            for i in range(tab.width_at[d]):
+                c, t = ch[:, i], ch_tok[:, i]
+                live = active & ~found & (c >= 0)
+                pt = p.gather(1, t[:, None]).squeeze(1)
+                qt = q.gather(1, t[:, None]).squeeze(1)
+                r = torch.rand(B, generator=generator, device=dev)
+                drawn = qt > 0                     # else t cannot come from q: skip the child
+                acc = live & drawn & (r * qt < pt)  # r < min(1, p/q) without dividing
+                found |= acc
+                nxt = torch.where(acc, c, nxt)
+                rej = (live & drawn & ~acc)[:, None]
+                resid = (p - q).clamp_min(0.0)
+                rmass = resid.sum(-1, keepdim=True)
+                p = torch.where(rej & (rmass > 0), resid / rmass.clamp_min(torch.finfo(p.dtype).tiny), p)
+                q_next = q.scatter(1, t[:, None], 0.0)
+                q = torch.where(rej, q_next / q_next.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q)
+            x = torch.multinomial(p, 1, generator=generator).squeeze(1)
+        stop = active & ~found
+        bonus = torch.where(stop, x, bonus)
+        u = torch.where(active & found, nxt, u)
+        active = active & found
+        if not bool(active.any()):
+            break
+    if bool(greedy.any()):
+        g_last, g_bonus = _greedy_last(tab, node_tokens, target_logits)
+        u = torch.where(greedy, g_last, u)
+        bonus = torch.where(greedy, g_bonus, bonus)
+    return _result(tab, u, bonus)
