@@ -105,3 +105,19 @@ def test_cli_compatibility_flags(dirs):
     args = parser.parse_args(["--model", str(dirs / "target"), "--speculative-config",
                               '{"method": "falcon", "model": "%s"}' % (dirs / "good")])
     assert AsyncEngineArgs.from_cli_args(args).speculative_config["method"] == "falcon"
+
+
+def test_engine_after_numba_in_same_process():
+    """vLLM's kernel-override scan survives llvmlite being loaded (ngram, then another engine)."""
+    pytest.importorskip("llvmlite")
+    import llvmlite.binding  # noqa: F401  (what vLLM's ngram proposer pulls in through numba)
+    from vllm.triton_utils import dispatcher
+
+    import falcon_vllm
+    from falcon_vllm.vllm.compat import guard_llvmlite
+
+    falcon_vllm.register()
+    dispatcher._rebind_kernels([])  # the scan that crashed: hasattr(lib, "__dict__") on every global
+    assert guard_llvmlite()
+    assert not hasattr(llvmlite.binding.ffi.lib, "__dict__")
+    assert llvmlite.binding.ffi.lib.LLVMPY_GetVersionInfo is not None  # real symbols still resolve

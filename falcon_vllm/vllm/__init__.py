@@ -8,6 +8,9 @@ idempotent.  It installs, all in :mod:`falcon_vllm.vllm.hooks`:
    validates the Falcon options and the drafter, and maps it onto vLLM's EAGLE plumbing;
 3. the CLI flags ``--speculative-model`` / ``--num-speculative-tokens`` (compatibility form);
 4. the Falcon-aware proposer in place of the V1 runner's ``EagleProposer``.
+
+It also installs :mod:`falcon_vllm.vllm.compat` (several engines in one process, e.g. ``ngram``
+followed by another method in the benchmark harness).
 """
 
 SUPPORTED_VLLM = (">=0.32", "<0.34")
@@ -19,7 +22,8 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from falcon_vllm.vllm import hooks
+    from falcon_vllm.vllm import compat, hooks
 
+    compat.install()
     hooks.install()
     _registered = True
