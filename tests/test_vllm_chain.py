@@ -1,4 +1,15 @@
-"""falcon in vLLM, chain mode (CPU, in-process engine, eager, fp32)."""
+"""falcon in vLLM, chain mode (CPU, in-process engine, eager, fp32).
+
+Targets (vocab 49152, SmolLM2's tokenizer):
+* ``inc``: a sharpened increment model (falcon_vllm.testing.increment_llama with its LM head scaled):
+  greedy continuation t+1, t+2, ...; at temperature 1 the next token is t+1+d with d in
+  {-2..2} and P(d=0) ~ 0.6, independent of everything but the last token.  The exact drafters
+  predict t+1, t+2, ... perfectly.
+* ``rnd``: a random tiny Llama, with random Falcon drafters.
+
+One engine lives at a time (in-process engines share global state); tests are ordered so that
+each engine is built once.
+"""
 
 import math
 
@@ -10,69 +21,270 @@ from tests.vllm_util import drafter_of, free, make_llm, save_target, spec_counte
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 
 V = 49152
+SHARP = 1000.0  # LM-head scale of the increment target: P(next = t+1) ~ 0.6 at temperature 1
+
+
+def _official_layout(drafter, directory, target):
+    """Save a drafter as the official Falcon code does: with a copy of the target's embedding."""
+    from safetensors.torch import save_file
+
+    drafter.save_pretrained(directory)
+    state = {k: v.contiguous() for k, v in drafter.state_dict().items()}
+    state["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
     inc = increment_llama(vocab=V, hidden=128, heads=2, kv_heads=1)
+    with torch.no_grad():
+        inc.lm_head.weight.mul_(SHARP)
     save_target(inc, str(base / "inc"))
     exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
-    exact_drafter(inc, k=3).save_pretrained(str(base / "exact_k3"))
+    _official_layout(exact_drafter(inc, k=3), str(base / "exact_k3_official"), inc)
     rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
     save_target(rnd, str(base / "rnd"))
-    random_drafter(rnd, k=2, fusion="lstm").save_pretrained(str(base / "rnd_lstm"))
-    return base
+    random_drafter(rnd, k=3, fusion="lstm").save_pretrained(str(base / "rnd_lstm_k3"))
+    random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3).save_pretrained(str(base / "rnd_fc2_k2"))
+    return {"dir": base, "inc": inc, "rnd": rnd}
 
 
-PROMPTS_INC = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106], [9000, 9001, 9002]]  # prompts >= k tokens
+class Engines:
+    """Keeps at most one in-process engine alive; ``get(name)`` builds it on first use."""
+
+    def __init__(self, base):
+        self.base, self.name, self.llm = base, None, None
+        self.specs = {
+            "vanilla_rnd": ("rnd", None, {}),
+            "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
+            "falcon_rnd_fc2_unpadded": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4,
+                                                "disable_padded_drafter_batch": True}, {}),
+            "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
+            "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
+        }
+
+    def get(self, name):
+        if self.name != name:
+            self.close()
+            target, spec, kw = self.specs[name]
+            if spec is not None:
+                spec = dict(spec, method="falcon", model=str(self.base / spec["model"]))
+            if spec is not None:
+                kw = dict(kw, per_request_spec_decode_metrics="detailed")
+            self.llm = make_llm(str(self.base / target), spec, **kw)
+            self.name = name
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            free(self.llm)
+            self.llm, self.name = None, None
 
 
-@pytest.mark.parametrize("k,K", [(2, 5), (3, 4)])
-def test_exact_drafter_accepts_everything(ckpts, k, K):
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    e = Engines(ckpts["dir"])
+    yield e
+    e.close()
+
+
+def _greedy(llm, prompts, n=40):
     from vllm import SamplingParams
 
-    llm = make_llm(str(ckpts / "inc"), {"method": "falcon", "model": str(ckpts / f"exact_k{k}"),
-                                        "num_speculative_tokens": K})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+def _delta(after, before):
+    return {k: (list(map(lambda a, b: a - b, after[k], before[k])) if isinstance(after[k], list)
+                else after[k] - before[k]) for k in after}
+
+
+def _record_drafts(prop):
+    """Wrap the proposer instance's propose() to record each step's drafts per request id."""
+    log, orig = [], prop.propose
+
+    def propose(*a, **kw):
+        out = orig(*a, **kw)
+        # the engine's request ids are the user's with a random suffix
+        log.append({r.rsplit("-", 1)[0]: d for r, d in zip(prop._req_ids(out.shape[0]), out.tolist())})
+        return out
+
+    prop.propose = propose
+    return log
+
+
+def _reference_drafts(engine, prompt, n):
+    """Generate with the reference engine; return its tokens and the drafted chain of each round."""
+    drafts, draft = [], engine._draft
+
+    def record(*a, **kw):
+        out = draft(*a, **kw)
+        drafts.append(out.tolist())
+        return out
+
+    engine._draft = record
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS_INC],
-                            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-        for p, o in zip(PROMPTS_INC, outs):
-            assert list(o.outputs[0].token_ids) == [(p[-1] + i) % V for i in range(1, 31)]
-        c = spec_counters(llm)
-        assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] == K * c["num_drafts"]
-        assert 1 + c["num_accepted_tokens"] / c["num_drafts"] == K + 1   # mean acceptance length
-        assert list(c["num_accepted_tokens_per_pos"]) == [c["num_drafts"]] * K
-        prop = drafter_of(llm)
-        assert type(prop).__name__ == "FalconProposer" and prop.falcon is not None
-        assert prop.steps > 0 and prop.passes == prop.steps * math.ceil(K / k)  # counted, not assumed
+        return engine.generate(prompt, max_new_tokens=n).tokens, drafts
     finally:
-        free(llm)
+        del engine._draft
 
 
-def test_random_drafter_greedy_identical_to_vanilla(ckpts):
+# ---------------------------------------------------------------------- losslessness (random drafters)
+PROMPTS = [[11, 12, 13], list(range(200, 237)), [5] * 9, list(range(1000, 1020))]
+SHORT = [[7], [300, 301]]  # shorter than k: the relaxed block has rows with unknown inputs
+
+
+def _cached_prompt(llm):
+    """A prompt two tokens longer than a KV block: resubmitted, only 2 (< k) tokens are computed."""
+    bs = llm.llm_engine.vllm_config.cache_config.block_size
+    return [(17 * i) % 30000 + 50 for i in range(bs + 2)]
+
+
+def test_vanilla_reference(engines, ckpts):
+    llm = engines.get("vanilla_rnd")
+    prompts = PROMPTS + SHORT + [_cached_prompt(llm)]
+    ckpts["vanilla"] = {tuple(p): t for p, t in zip(prompts, _greedy(llm, prompts)[0])}
+
+
+@pytest.mark.parametrize("name", ["falcon_rnd_k3", "falcon_rnd_fc2_unpadded"])
+def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name):
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get(name)
+    prop = drafter_of(llm)
+    assert type(prop).__name__ == "FalconProposer" and prop.falcon is not None
+    before = spec_counters(llm)
+    for p in PROMPTS[:2] + SHORT:                                            # batch 1
+        assert _greedy(llm, [p])[0][0] == ref[tuple(p)], p
+    got, _ = _greedy(llm, PROMPTS + SHORT)                                  # batch 6, mixed lengths
+    assert got == [ref[tuple(p)] for p in PROMPTS + SHORT]
+    cached = _cached_prompt(llm)                                           # prefix-cache hit: only
+    assert _greedy(llm, [cached])[0][0] == _greedy(llm, [cached])[0][0] == ref[tuple(cached)]  # 2 new tokens
+    d = _delta(spec_counters(llm), before)
+    K = prop.num_speculative_tokens
+    assert d["num_drafts"] > 0 and d["num_draft_tokens"] == K * d["num_drafts"]
+    assert prop.passes == prop.steps * math.ceil(K / prop.k)
+
+
+def test_drafts_match_reference_engine(engines, ckpts):
+    """vLLM's SAR drafts (relaxed block + stash + block passes) equal the reference engine's.
+
+    The random drafter is rejected at almost every step, so nearly every relaxed block takes its
+    older k-1 rows from the stash.  Prompts shorter than k are compared from round k on (the
+    reference pads them with virtual positions that vLLM cannot represent in its paged cache).
+    """
+    from falcon_vllm.drafter import FalconDrafter
+    from falcon_vllm.reference import FalconReferenceEngine
+
+    llm = engines.get("falcon_rnd_k3")
+    prop = drafter_of(llm)
+    K, k = prop.num_speculative_tokens, prop.k
+    prompts = [PROMPTS[0], PROMPTS[1], SHORT[0]]
+    log = _record_drafts(prop)
+    try:
+        tokens, outs = _greedy(llm, prompts, n=24)
+    finally:
+        del prop.propose
+    drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_lstm_k3"))
+    eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree=f"chain-{K}")
+    for p, toks, o in zip(prompts, tokens, outs):
+        ref_tokens, ref_drafts = _reference_drafts(eng, p, 24)
+        assert ref_tokens == toks
+        ours = [step[o.request_id] for step in log if o.request_id in step]
+        first = 0 if len(p) >= k else k
+        n = len(ref_drafts) - 1  # the last round may be trimmed by vLLM's max_tokens
+        assert n - first >= 10 and ours[first:n] == ref_drafts[first:n], p
+
+
+def test_sampling_runs_with_random_drafter(engines):
     from vllm import SamplingParams
 
-    prompts = [[11, 12, 13], list(range(200, 237)), [5] * 9, list(range(1000, 1020))]
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    van = make_llm(str(ckpts / "rnd"))
-    ref = [list(o.outputs[0].token_ids) for o in van.generate([{"prompt_token_ids": p} for p in prompts], sp)]
-    free(van)
-    llm = make_llm(str(ckpts / "rnd"), {"method": "falcon", "model": str(ckpts / "rnd_lstm"),
-                                        "num_speculative_tokens": 4})
-    try:
-        got1 = [list(llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids) for p in prompts[:2]]
-        assert got1 == ref[:2]                                            # batch 1
-        got4 = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
-        assert got4 == ref                                                # batch 4, mixed lengths
-        assert spec_counters(llm)["num_drafts"] > 0
-        # temperature > 0 runs through the same proposer and vLLM's lossless rejection sampler
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True))
-        assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
-        assert all(0 <= t < V for o in outs for t in o.outputs[0].token_ids)
-        # per-request metrics report falcon's steps
-        o = llm.generate([{"prompt_token_ids": prompts[0]}], sp)[0]
-        assert o.outputs[0].token_ids
-    finally:
-        free(llm)
+    llm = engines.get("falcon_rnd_k3")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+
+
+# ---------------------------------------------------------------------- exact drafters: full acceptance
+PROMPTS_INC = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106], [9000, 9001, 9002]]
+
+
+@pytest.mark.parametrize("name,k,K", [("exact_k2", 2, 5), ("exact_k3", 3, 4)])  # k3: official key layout
+def test_exact_drafter_accepts_everything(engines, name, k, K):
+    llm = engines.get(name)
+    prop = drafter_of(llm)
+    assert (prop.k, prop.num_speculative_tokens) == (k, K)
+    before, steps0, passes0 = spec_counters(llm), prop.steps, prop.passes
+    toks, outs = _greedy(llm, PROMPTS_INC, n=30)
+    for p, t in zip(PROMPTS_INC, toks):
+        assert t == [(p[-1] + i) % V for i in range(1, 31)]
+    c = _delta(spec_counters(llm), before)
+    assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] == K * c["num_drafts"]
+    assert 1 + c["num_accepted_tokens"] / c["num_drafts"] == K + 1           # mean acceptance length
+    assert c["num_accepted_tokens_per_pos"] == [c["num_drafts"]] * K
+    for o in outs:                                                            # per-request metrics
+        m = o.outputs[0].spec_decode_metrics.to_dict()
+        assert m["mean_acceptance_length"] == K + 1 and m["draft_acceptance_rate"] == 1.0
+    steps = prop.steps - steps0
+    assert steps > 0 and prop.passes - passes0 == steps * math.ceil(K / k)  # counted, not assumed
+
+
+@pytest.mark.parametrize("name,k", [("exact_k2", 2), ("exact_k3", 3)])
+def test_short_prompts_recover_full_acceptance(engines, name, k):
+    """Prompts shorter than k lose the first k-1 steps' level-1 drafts, then the stash fills the block."""
+    llm = engines.get(name)
+    prompts = [[40000 + i for i in range(n)] for n in range(1, k)]
+    toks, outs = _greedy(llm, prompts, n=24)
+    for p, t, o in zip(prompts, toks, outs):
+        assert t == [(p[-1] + i) % V for i in range(1, 25)]
+        m = o.outputs[0].spec_decode_metrics.to_dict()
+        later = list(zip(m["per_step_accepted"], m["per_step_drafted"]))[k - len(p):]
+        assert later and all(a == d for a, d in later), m
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_is_lossless(engines, ckpts, temperature):
+    """At temperature T every increment d = x_i - x_{i-1} - 1 is i.i.d. from the target's p_T(d).
+
+    T = 0.7 also catches a temperature that is lost or truncated on the way to the rejection sampler.
+    """
+    from vllm import SamplingParams
+
+    llm = engines.get("exact_k2")
+    inc = ckpts["inc"]
+    last = torch.tensor([300, 7000, 25000])
+    with torch.no_grad():
+        logits = inc(torch.stack([last - 2, last - 1, last], 1)).logits[:, -1].double()
+    probs = torch.softmax(logits / temperature, -1)
+    cols = (last[:, None] + 1 + torch.arange(-2, 3)[None]) % V                # [3, 5] tokens t+1+d
+    p = probs.gather(1, cols).mean(0)                                         # p(d), d = -2..2
+    p = torch.cat([p, (1 - p.sum()).clamp(min=0)[None]])                      # bins d=-2..2, other
+    p0 = float(p[2])
+    assert 0.35 < p0 < 0.9 and p[-1] < 0.01  # a sharp, non-degenerate distribution
+    before = spec_counters(llm)
+    starts = torch.randint(0, V, (96,), generator=torch.Generator().manual_seed(0)).tolist()
+    outs = llm.generate([{"prompt_token_ids": [(s - 2) % V, (s - 1) % V, s]} for s in starts],
+                        [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
+                         for i in range(len(starts))], use_tqdm=False)
+    counts = torch.zeros(len(p))
+    for s, o in zip(starts, outs):
+        seq = [s] + list(o.outputs[0].token_ids)
+        for a, b in zip(seq, seq[1:]):
+            d = (b - a - 1 + V // 2) % V - V // 2
+            counts[d + 2 if -2 <= d <= 2 else -1] += 1
+    n = counts.sum()
+    expected = n * p
+    keep = expected > 0.5
+    chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
+    c = _delta(spec_counters(llm), before)
+    # both branches of the rejection sampler ran: drafts were accepted and rejected.  The exact
+    # drafter continues the increments of its *inputs*, so after a sampled d != 0 its first draft
+    # is off by one: the first-position rate sits below p(0), well above zero.
+    rate0 = c["num_accepted_tokens_per_pos"][0] / c["num_drafts"]
+    assert 0.15 < rate0 < p0 + 0.05, (rate0, p0)

@@ -121,3 +121,26 @@ def test_engine_after_numba_in_same_process():
     assert guard_llvmlite()
     assert not hasattr(llvmlite.binding.ffi.lib, "__dict__")
     assert llvmlite.binding.ffi.lib.LLVMPY_GetVersionInfo is not None  # real symbols still resolve
+
+
+def test_cpu_expand_kernel_fixed():
+    """The per-request -> per-draft-token expansion the rejection sampler uses for temperature/top-k/top-p."""
+    import torch
+
+    import falcon_vllm
+    from falcon_vllm.vllm.compat import expand_to_tokens
+
+    falcon_vllm.register()
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    for x, rf, rt, want in [
+        (torch.tensor([0.7, 0.3, -1.0]), -1, 1, [0.7, 0.7, 1.0, 1.0, 1.0]),  # temperature, greedy -> 1
+        (torch.tensor([5, 9, 0], dtype=torch.int32), 0, 0, [5, 5, 0, 0, 0]),   # top-k
+    ]:
+        out = torch.full((5,), 123, dtype=x.dtype)
+        expand_to_tokens(out, x, cu, rf, rt)
+        assert torch.allclose(out.double(), torch.tensor(want, dtype=torch.double)), out
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return
+    assert cpu_triton_utils._expand_kernel_impl is expand_to_tokens  # what the CPU platform registers

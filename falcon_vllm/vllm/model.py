@@ -90,7 +90,17 @@ class EagleFalconForCausalLM(LlamaForCausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
+    def attach_falcon_proposer(self) -> None:
+        """Called by FalconProposer.load_model: the proposer that runs this drafter is Falcon's."""
+        self._falcon_proposer = True
+
     def forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
+        if not getattr(self, "_falcon_proposer", False):
+            # stock EAGLE would run a SAR drafter autoregressively: lossless but useless drafts
+            raise RuntimeError(
+                "falcon-vllm: the Falcon drafter is being run by vLLM's stock EAGLE proposer, so the "
+                "plugin's proposer hook did not take effect (a V2 model runner, or vLLM internals that "
+                "moved; supported: vllm>=0.32,<0.34 with the V1 runner, VLLM_USE_V2_MODEL_RUNNER=0)")
         if inputs_embeds is not None:
             raise NotImplementedError("the Falcon drafter does not take multimodal inputs")
         return self.model(input_ids, positions, hidden_states)

@@ -16,16 +16,29 @@ from pathlib import Path
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.tree import build_tree
 
-FALCON_KEYS = {"tree"}  # Falcon-only options, removed before vLLM validates the rest
+# Falcon-only options, removed before vLLM validates the rest:
+#   tree      a chain preset ("chain-6") or path list; in vLLM only chains run (sets K)
+#   falcon_k  the block size the drafter must have been trained with (a consistency check)
+FALCON_KEYS = {"tree", "falcon_k"}
+# vLLM options that contradict how Falcon drafts: (key, allowed values, why)
+INCOMPATIBLE = (
+    ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
+    ("draft_sample_method", ("greedy", None), "Falcon drafts greedily (verification stays lossless)"),
+    ("use_heterogeneous_vocab", (False, None), "the drafter shares the target's vocabulary"),
+)
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
-def _matches(cfg: FalconConfig, target_hf) -> bool:
-    t = cfg.target or {}
-    want = {"hidden_size": target_hf.hidden_size, "vocab_size": target_hf.vocab_size,
+def _signature(target_hf) -> dict:
+    return {"hidden_size": target_hf.hidden_size, "vocab_size": target_hf.vocab_size,
             "num_hidden_layers": getattr(target_hf, "num_hidden_layers", None),
             "model_type": getattr(target_hf, "model_type", None)}
-    return all(t.get(k) == v for k, v in want.items() if t.get(k) is not None) and \
+
+
+def _matches(cfg: FalconConfig, target_hf) -> bool:
+    """The drafter's recorded target (falcon.target) has the served model's signature."""
+    t = cfg.target or {}
+    return all(t.get(k) == v for k, v in _signature(target_hf).items() if t.get(k) is not None) and \
         cfg.hidden_size == target_hf.hidden_size and cfg.vocab_size == target_hf.vocab_size
 
 
@@ -52,9 +65,9 @@ def resolve_drafter(model, target_hf) -> str:
         return env
     raise ValueError(
         "falcon: no drafter for this target. Tried: (1) an explicit path ('model' / --speculative-model "
-        f"<dir>): none given; (2) drafters shipped with falcon-vllm: {tried or 'none'} (none matches "
-        f"hidden_size={target_hf.hidden_size}, vocab_size={target_hf.vocab_size}); (3) $FALCON_VLLM_DRAFTER: "
-        "not set. Train one with `falcon-vllm train` or pass its directory.")
+        f"<dir>): none given; (2) drafters shipped in {DRAFTERS_DIR}: {tried or 'none'} (none recorded a "
+        f"target with {_signature(target_hf)}); (3) $FALCON_VLLM_DRAFTER: not set. Pass a drafter directory, "
+        "or train one with `falcon-vllm train`.")
 
 
 def check_weights(path: str) -> None:
@@ -77,10 +90,16 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if unknown:
         raise ValueError(f"falcon: unknown option(s) {unknown} in the speculative config; Falcon options: "
                          f"{sorted(FALCON_KEYS)}, plus vLLM's: {sorted(valid_keys)}")
+    for key, allowed, why in INCOMPATIBLE:
+        if sc.get(key) not in allowed:
+            raise ValueError(f"falcon: {key}={sc[key]!r} is not supported ({why})")
     path = resolve_drafter(sc.get("model"), target_hf)
     cfg = FalconConfig.load(path)  # clear errors: missing dir, no config.json, not a Falcon drafter
     cfg.check_target(target_hf)    # clear error: drafter for another hidden size / vocabulary
     check_weights(path)
+    want_k = sc.pop("falcon_k", None)
+    if want_k is not None and want_k != cfg.k:
+        raise ValueError(f"falcon: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is not None:

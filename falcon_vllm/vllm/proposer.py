@@ -2,22 +2,32 @@
 
 vLLM's V1 runner instantiates ``EagleProposer`` for ``method == "eagle"``; the plugin replaces that
 name with this subclass, which delegates to stock EAGLE unless the draft config carries a
-``falcon`` section.  For a Falcon drafter one step drafts K tokens in ``ceil(K / k)`` passes:
+``falcon`` section.  For a Falcon drafter (block size k) one step drafts K tokens in
+``ceil(K / k)`` drafter passes.  Drafter position j reads ``(x_{j+1}, f_j)``; p is a request's
+last committed position (its pending token ``x_{p+1}`` was just sampled by the target).
 
-* pass 0 (stock EAGLE first pass, causal): every token the target just verified is fed to the
-  drafter, writing its KV cache;
-* pass 1 (the relaxed block): the last k committed drafter positions of each request are run again
-  as one non-causal block, so each sees the whole block (the end-aligned relaxed mask the drafter
-  was trained with); its k outputs give draft tokens 1..k.  When fewer than k positions are new in
-  this step (``a + 1 < k``) the older ones come from a per-request stash of the previous step's
-  last k-1 (token, target feature) pairs;
-* passes 2..: one k-token block per request, input tokens = the previous block's drafted tokens,
-  input features = the previous block's output features, at the next k positions, attending to
-  the paged prefix, the earlier blocks and (non-causally) itself.
+* chunk pass (stock EAGLE first pass, causal): every token the target just verified is fed to
+  the drafter; this writes the drafter's KV cache for those positions.  Its outputs are unused.
+* pass 1, the relaxed block: positions ``p-k+1 .. p`` run again as one non-causal block (the
+  end-aligned relaxed mask the drafter is trained with), attending to the paged prefix.  Block row
+  r predicts draft token r+1 (``x_{p+2+r}``).  Rows older than this step's chunk (when
+  ``accepted + 1 < k``) take their inputs from a per-request stash of the previous step's last
+  k-1 rows (:mod:`falcon_vllm.vllm.stash`).  Rows whose inputs are unknown (a context shorter
+  than k, a prefix-cache hit, an evicted stash entry) still run as queries but write no KV (slot
+  -1), so the genuine KV at their positions stays; only their own draft tokens are worse.
+* passes 2..: one k-token block per request at positions ``p+1+k(q-1) ..``, whose input tokens
+  are the previous block's k drafted tokens and whose input features are the previous block's k
+  outputs, attending to the paged prefix, the earlier blocks and (non-causally) itself.
 
-The drafted chain is verified by vLLM's own rejection sampler, so the output is exactly vanilla
-vLLM's (greedy) or lossless (sampling) whatever the drafter does.  ``passes`` / ``steps`` count
-drafter forwards so tests and logs can check ``ceil(K / k)`` per step.
+For a 1-layer drafter this is exactly the reference engine's computation (the KV of layer 0 does
+not depend on the mask); with more layers the positions before the relaxed block keep their
+causal KV (the reference uses relaxed blocks there too), which changes acceptance, never output.
+
+Drafts are greedy (argmax of the target's LM head on each row) and verified by vLLM's own
+rejection sampler as one-hot proposals, so the output is exactly vanilla vLLM's (greedy) or
+distributed exactly as the target (sampling) whatever the drafter does.  ``steps`` / ``passes``
+count proposals and drafter passes (relaxed block + block passes) so tests can check
+``ceil(K / k)`` per step.  Every pass runs eagerly (no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -30,8 +40,10 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from falcon_vllm.vllm.stash import BlockInputStash
+
 logger = init_logger(__name__)
-PADDING_SLOT_ID = -1
+PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
 
 
 def falcon_section(draft_model_config) -> dict | None:
@@ -41,60 +53,33 @@ def falcon_section(draft_model_config) -> dict | None:
     return dict(f) if isinstance(f, dict) else None
 
 
+def unwrap_model(model):
+    while hasattr(model, "unwrap"):
+        model = model.unwrap()
+    return model
+
+
 class FalconProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
-        self._runner = runner  # for request ids (the per-request stash)
         self.falcon = falcon_section(self.speculative_config.draft_model_config)
         self.k = int(self.falcon["k"]) if self.falcon else 1
-        self.steps = 0          # propose() calls
-        self.passes = 0         # drafter forwards that produced draft tokens (relaxed block + block passes)
-        self._stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps = 0   # propose() calls that drafted tokens
+        self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
+        if not self.falcon:
+            return
+        if self.uses_mrope:
+            raise NotImplementedError("falcon-vllm: targets with M-RoPE positions are not supported")
+        self._runner = runner  # its input batch gives the request ids (for the stash)
+        self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
+                                      ids_dtype=self.input_ids.dtype)
+        logger.info("falcon-vllm: Falcon proposer active (k=%d, K=%d -> %d drafter passes per step)",
+                    self.k, self.num_speculative_tokens, math.ceil(self.num_speculative_tokens / self.k))
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
         if self.falcon:
-            logger.info("falcon-vllm: Falcon proposer active (k=%d, K=%d -> %d drafter passes per step)",
-                        self.k, self.num_speculative_tokens,
-                        math.ceil(self.num_speculative_tokens / self.k))
-
-    # ------------------------------------------------------------------ helpers
-    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """positions [B, T] -> flat KV slots [B*T] (PADDING for positions past the context)."""
-        bs = self.block_size
-        pos = positions.clamp(max=self.max_model_len - 1).long()
-        blk = block_table.long().gather(1, (pos // bs).clamp(max=block_table.shape[1] - 1))
-        slots = blk * bs + pos % bs
-        slots = torch.where(positions >= self.max_model_len, torch.full_like(slots, PADDING_SLOT_ID), slots)
-        return slots.reshape(-1)
-
-    def _block_pass(self, cad, ids, feats, positions):
-        """Run one non-causal k-token block per request.
-
-        ids [B, k] int; feats [B, k, H]; positions [B, k] (consecutive).  Returns (out [B, k, H]).
-        """
-        B, k = ids.shape
-        n = B * k
-        qsl = torch.arange(0, n + 1, k, dtype=torch.int32, device=ids.device)
-        seq_lens = (positions[:, -1] + 1).clamp(max=self.max_model_len).to(torch.int32)
-        slot_mapping = self._slots(cad.block_table_tensor, positions)
-        blk_cad = cad.replace(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens,
-            num_actual_tokens=n, max_query_len=k, max_seq_len=int(seq_lens.max()),
-            slot_mapping=slot_mapping, causal=False,
-            seq_lens_cpu_upper_bound=seq_lens.cpu() if cad.seq_lens_cpu_upper_bound is not None else None)
-        _, per_layer = self.build_per_group_and_layer_attn_metadata(blk_cad, draft_index=1)
-        self.input_ids[:n] = ids.reshape(-1).to(self.input_ids.dtype)
-        self.positions[:n] = positions.clamp(max=self.max_model_len - 1).reshape(-1).to(self.positions.dtype)
-        self.hidden_states[:n] = feats.reshape(n, -1)
-        with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(n, slot_mapping)):
-            out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
-                                hidden_states=self.hidden_states[:n])
-        self.passes += 1
-        return out[:n].view(B, k, -1)
-
-    def _draft_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        B, k, H = rows.shape
-        return self.model.compute_logits(rows.reshape(B * k, H)).argmax(-1).view(B, k)
+            unwrap_model(self.model).attach_falcon_proposer()
 
     # ------------------------------------------------------------------ propose
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
@@ -105,17 +90,16 @@ class FalconProposer(EagleProposer):
                                    target_hidden_states, next_token_ids, token_indices_to_sample,
                                    common_attn_metadata, sampling_metadata, mm_embed_inputs,
                                    num_rejected_tokens_gpu, slot_mappings)
-        self.num_speculative_tokens = num_speculative_tokens
-        self._last_draft_probs = None
-        k = self.k
-        cad = common_attn_metadata
-        B = cad.batch_size()
+        K, k = num_speculative_tokens, self.k
+        self.num_speculative_tokens = K
+        self._last_draft_probs = None  # greedy drafts: one-hot proposals for the rejection sampler
+        B = common_attn_metadata.batch_size()
 
-        # pass 0: stock causal chunk pass over every verified token (writes the drafter KV cache)
+        # chunk pass: stock causal EAGLE pass over every verified token (writes the drafter KV)
         num_tokens, last, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids, next_token_ids=next_token_ids,
             target_positions=target_positions, target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample, cad=cad,
+            token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
         with set_forward_context(per_layer, self.vllm_config, num_tokens=num_tokens,
@@ -123,58 +107,97 @@ class FalconProposer(EagleProposer):
                                  slot_mapping=self._get_slot_mapping(num_tokens, cad.slot_mapping)):
             self.model(input_ids=self.input_ids[:num_tokens], positions=self._get_positions(num_tokens),
                        hidden_states=self.hidden_states[:num_tokens])
-        if num_speculative_tokens == 0:
+
+        ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
+        if K == 0:
             return torch.empty(B, 0, dtype=torch.int64, device=self.device)
         self.steps += 1
 
-        # pass 1: the last k committed positions as one relaxed block
-        last = last.long()
-        start = cad.query_start_loc[:B].long()
-        offs = torch.arange(k - 1, -1, -1, device=last.device)           # k-1 .. 0
-        idx = last[:, None] - offs[None]                                  # [B, k]
-        valid = idx >= start[:, None]
-        safe = torch.where(valid, idx, last[:, None].expand_as(idx))
-        ids = self.input_ids[safe].clone()
-        feats = self.hidden_states[safe].clone()
-        last_pos = self.positions[last].long()
-        positions = last_pos[:, None] - offs[None]
-        if not bool(valid.all()):
-            self._fill_from_stash(ids, feats, valid)
-        positions = positions.clamp(min=0)
-        rows = self._block_pass(cad, ids, feats, positions)
-        self._update_stash(ids, feats)
-        drafted = [self._draft_tokens(rows)]
+        # pass 1: the relaxed block -> draft tokens 1..k
+        rows = self._block_pass(cad, ids, feats, positions, writes=known, extra_len=0)  # [B, k, H]
+        drafted = [self._argmax(rows)]
+        # passes 2..: one k-token block per request on top of the previous one
+        next_pos = positions[:, -1:] + 1 + torch.arange(k, device=positions.device)[None]  # [B, k]
+        for q in range(1, math.ceil(K / k)):
+            rows = self._block_pass(cad, drafted[-1], rows, next_pos + k * (q - 1), writes=None, extra_len=q * k)
+            drafted.append(self._argmax(rows))
+        if self.steps == 1:
+            logger.info("falcon-vllm: drafted K=%d tokens in %d drafter passes (k=%d)", K, len(drafted), k)
+        return torch.cat(drafted, dim=1)[:, :K].to(torch.int64)
 
-        # passes 2..: one k-token block per request on top of the previous block
-        for q in range(1, math.ceil(num_speculative_tokens / k)):
-            positions = last_pos[:, None] + 1 + k * (q - 1) + torch.arange(k, device=last.device)[None]
-            rows = self._block_pass(cad, drafted[-1], rows, positions)
-            drafted.append(self._draft_tokens(rows))
-        return torch.cat(drafted, dim=1)[:, :num_speculative_tokens].to(torch.int64)
+    # ------------------------------------------------------------------ pieces
+    def _relaxed_block_inputs(self, cad, last: torch.Tensor, B: int):
+        """Inputs of the relaxed block, the last k committed positions of each request.
 
-    # ------------------------------------------------------------------ stash of the last k-1 inputs
-    def _req_ids(self, B: int) -> list[str] | None:
+        last [B] = flat index of each request's last valid row in the chunk buffers.  Returns
+        ids [B, k], feats [B, k, H], positions [B, k] (< 0 before the sequence start) and
+        known [B, k] bool (inputs known: from this chunk or the stash; a suffix of each row).
+        """
+        k = self.k
+        offs = torch.arange(k - 1, -1, -1, device=last.device)              # k-1 .. 0
+        idx = last[:, None] - offs[None]                                      # [B, k]
+        known = idx >= cad.query_start_loc[:B].long()[:, None]
+        safe = torch.where(known, idx, last[:, None].expand_as(idx))
+        ids = self.input_ids[safe]                                            # gathers copy
+        feats = self.hidden_states[safe]
+        positions = self.positions[last].long()[:, None] - offs[None]
+        if k > 1:
+            slots = self._stash.slots(self._req_ids(B), last.device)
+            known = self._stash.fill(slots, ids, feats, positions, known)
+            self._stash.update(slots, ids, feats, positions, known)
+        return ids, feats, positions, known
+
+    def _block_pass(self, cad, ids, feats, positions, writes, extra_len: int):
+        """Run one non-causal k-token block per request; returns the output features [B, k, H].
+
+        ids [B, k]; feats [B, k, H]; positions [B, k] consecutive; writes [B, k] bool or None
+        (rows whose KV is written; None = all); extra_len = how far the block's end lies past
+        the relaxed block's end (bounds the context length without a device sync).
+        """
+        B, k = ids.shape
+        n = B * k
+        qsl_cpu = torch.arange(0, n + 1, k, dtype=torch.int32)
+        seq_lens = (positions[:, -1] + 1).clamp(1, self.max_model_len).to(torch.int32)
+        slot_mapping = self._slots(cad.block_table_tensor, positions)
+        if writes is not None:
+            slot_mapping = torch.where(writes.reshape(-1), slot_mapping, PADDING_SLOT_ID)
+        flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
+        upper = cad.seq_lens_cpu_upper_bound
+        blk_cad = cad.replace(
+            query_start_loc=qsl_cpu.to(ids.device, non_blocking=True), query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens, num_actual_tokens=n, max_query_len=k,
+            max_seq_len=min(cad.max_seq_len + extra_len, self.max_model_len),
+            slot_mapping=slot_mapping, causal=False,
+            seq_lens_cpu_upper_bound=None if upper is None else (upper + extra_len).clamp(max=self.max_model_len),
+            positions=None if cad.positions is None else flat_pos,
+            _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(blk_cad, draft_index=1)
+        self.input_ids[:n] = ids.reshape(-1).to(self.input_ids.dtype)
+        self.positions[:n] = flat_pos.to(self.positions.dtype)
+        self.hidden_states[:n] = feats.reshape(n, -1)
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(n, slot_mapping)):
+            out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
+                                hidden_states=self.hidden_states[:n])
+        self.passes += 1
+        return out[:n].view(B, k, -1)
+
+    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """positions [B, T] -> flat KV slots [B*T] (PADDING for positions outside [0, max_model_len))."""
+        bs = self.block_size
+        pos = positions.clamp(0, self.max_model_len - 1).long()
+        blk = block_table.long().gather(1, (pos // bs).clamp(max=block_table.shape[1] - 1))
+        slots = blk * bs + pos % bs
+        outside = (positions < 0) | (positions >= self.max_model_len)
+        return torch.where(outside, PADDING_SLOT_ID, slots).reshape(-1)
+
+    def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, k, H] -> greedy draft tokens [B, k] (the target's LM head)."""
+        B, k, H = rows.shape
+        return self.model.compute_logits(rows.reshape(B * k, H)).argmax(-1).view(B, k)
+
+    def _req_ids(self, B: int) -> list[str | None]:
         batch = getattr(self._runner, "input_batch", None)
-        ids = getattr(batch, "req_ids", None)
-        return list(ids[:B]) if ids is not None else None
-
-    def _fill_from_stash(self, ids, feats, valid):
-        """Rows whose position predates this step come from the previous step's block inputs."""
-        req_ids = self._req_ids(ids.shape[0])
-        for b in (~valid).any(1).nonzero().flatten().tolist():
-            need = int((~valid[b]).sum())
-            st = self._stash.get(req_ids[b]) if req_ids else None
-            if st is None or st[0].shape[0] < need:
-                continue  # no history (e.g. a prompt shorter than k): keep the duplicated rows
-            ids[b, :need] = st[0][-need:]
-            feats[b, :need] = st[1][-need:]
-
-    def _update_stash(self, ids, feats):
-        req_ids = self._req_ids(ids.shape[0])
-        if not req_ids or self.k == 1:
-            return
-        live = set(req_ids)
-        for r in [r for r in self._stash if r not in live]:
-            del self._stash[r]
-        for b, r in enumerate(req_ids):
-            self._stash[r] = (ids[b, 1:].clone(), feats[b, 1:].clone())
+        ids = list(getattr(batch, "req_ids", None) or [])[:B]
+        return ids + [None] * (B - len(ids))

@@ -1,0 +1,81 @@
+"""Per-request stash of the last k-1 drafter inputs, for the relaxed block of the next step.
+
+The relaxed block of a step is the last k committed drafter positions of a request.  When the
+target just verified fewer than k new positions (``accepted + 1 < k``, the common case at low
+acceptance), the older rows of that block were fed to the drafter in an earlier step, and their
+inputs (token ``x_{j+1}``, target feature ``f_j``) are no longer in the runner's buffers.  This
+stash keeps them: after every step, the last k-1 rows of each request's block.
+
+Rows are keyed by position, so a stale entry (a request that was not scheduled for a while, a
+prefix-cache hit) is simply not used; committed positions never change their inputs, so a row is
+valid whenever its position precedes the current chunk.  Storage is one preallocated tensor per
+field, indexed by a slot per request (LRU-evicted), so lookups and updates are gathers/scatters
+without host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class BlockInputStash:
+    def __init__(self, num_slots: int, k: int, hidden_size: int, device, dtype, ids_dtype=torch.int32):
+        self.k = k
+        self.num_slots = num_slots
+        rows = max(k - 1, 1)
+        # slot num_slots is a scratch slot for batch rows without a request id (never valid)
+        self.ids = torch.zeros(num_slots + 1, rows, dtype=ids_dtype, device=device)          # [S+1, k-1]
+        self.feats = torch.zeros(num_slots + 1, rows, hidden_size, dtype=dtype, device=device)  # [S+1, k-1, H]
+        self.end_pos = torch.full((num_slots + 1,), -1, dtype=torch.long, device=device)  # position of the last row
+        self.num_valid = torch.zeros(num_slots + 1, dtype=torch.long, device=device)      # valid rows, from the end
+        self._slot_of: OrderedDict[str, int] = OrderedDict()
+        self._free = list(range(num_slots))
+
+    def slots(self, req_ids: list[str | None], device) -> torch.Tensor:
+        """Slot index per batch row [B] (new requests get a fresh, empty slot)."""
+        out = []
+        fresh = []
+        for r in req_ids:
+            if r is None:
+                out.append(self.num_slots)
+                continue
+            s = self._slot_of.get(r)
+            if s is None:
+                if not self._free:  # evict the least recently used request
+                    _, old = self._slot_of.popitem(last=False)
+                    self._free.append(old)
+                s = self._free.pop()
+                self._slot_of[r] = s
+                fresh.append(s)
+            else:
+                self._slot_of.move_to_end(r)
+            out.append(s)
+        if fresh:
+            self.num_valid[torch.tensor(fresh, device=self.num_valid.device)] = 0
+        return torch.tensor(out, dtype=torch.long, device=device)
+
+    def fill(self, slots, ids, feats, positions, known) -> torch.Tensor:
+        """Fill the unknown rows of a block from the stash, in place.
+
+        slots [B]; ids [B, k]; feats [B, k, H]; positions [B, k] (may be < 0 before the sequence
+        start); known [B, k] bool.  Returns the updated ``known``.
+        """
+        back = self.end_pos[slots][:, None] - positions                 # [B, k] rows back from the stash end
+        usable = (~known) & (positions >= 0) & (back >= 0) & (back < self.num_valid[slots][:, None])
+        row = (self.ids.shape[1] - 1 - back).clamp(0, self.ids.shape[1] - 1)  # [B, k] stash row index
+        s = slots[:, None].expand_as(row)
+        ids.copy_(torch.where(usable, self.ids[s, row].to(ids.dtype), ids))
+        feats.copy_(torch.where(usable[..., None], self.feats[s, row].to(feats.dtype), feats))
+        # keep only the contiguous suffix (a stash that ends before the chunk leaves a gap)
+        return (known | usable).flip(1).long().cumprod(1).flip(1).bool()
+
+    def update(self, slots, ids, feats, positions, known) -> None:
+        """Remember the last k-1 rows of each request's block (known rows are a suffix)."""
+        if self.k < 2:
+            return
+        self.ids[slots] = ids[:, 1:].to(self.ids.dtype)
+        self.feats[slots] = feats[:, 1:].to(self.feats.dtype)
+        self.end_pos[slots] = positions[:, -1].long()
+        self.num_valid[slots] = known[:, 1:].long().sum(1)
