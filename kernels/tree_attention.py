@@ -1,31 +1,71 @@
-"""Tree attention over a paged KV prefix (Triton) and its plain-torch reference.
+"""Tree attention over a paged KV prefix: a Triton kernel and its plain-torch reference.
 
-Each request b has ``prefix_lens[b]`` committed tokens in vLLM's paged cache and ``W_b`` in-flight
-tree tokens (root + draft nodes).  A tree token sees the whole prefix and, among the in-flight
-tokens of its request, only its ancestors and itself, given as a bitmask.  One kernel serves target
-verification (W = tree size) and the drafter's SAR block passes (a block = a tiny tree).
+Problem.  A batch of B requests.  Request b has ``P_b = prefix_lens[b]`` committed tokens whose
+K/V sit in vLLM's paged cache, and ``W_b`` in-flight tokens (the tree's root + draft nodes, or a
+drafter block) whose own K/V are passed densely.  In-flight token i of request b attends to all
+``P_b`` prefix keys and, among the request's in-flight keys, to those j whose bit is set in its
+row of the ancestor bitmask (its ancestors and itself).  A chain (causal decoding of W tokens) is
+the special case "bit j set iff j <= i".  One kernel serves target verification (W = tree size)
+and the drafter's SAR block passes.
 
-Layouts:
-  q:            [T, Hq, D]       in-flight queries, requests concatenated (varlen, ``query_start_loc``)
-  k, v:         [T, Hkv, D]      in-flight keys/values (already rotary-embedded)
-  key_cache:    [num_blocks, block_size, Hkv, D]   (vLLM FlashAttention layout; same for value_cache)
-  block_table:  [B, max_blocks] int32;  prefix_lens: [B] int32;  query_start_loc: [B+1] int32
-  tree_bits:    [T, ceil(W_max/32)] int32: bit j of row i = token i may see in-flight token j of its
-                request (j counted from the request's first in-flight token)
-Output: [T, Hq, D] in q's dtype.  GQA: query head h reads kv head h // (Hq // Hkv).
+Layouts (T = sum_b W_b; Hq query heads, Hkv kv heads, Hq % Hkv == 0; D = head_dim):
 
-Kernel design: one program per (in-flight token, query head); it streams the prefix in tiles of
-BLOCK_N keys through the block table, then the request's in-flight keys under the bitmask, with the
-online-softmax recurrence (running max m, normaliser l, accumulator acc; exp2 with log2(e) folded
-into the scale) in fp32.  This is the simple, obviously-correct schedule; the GPU-efficient
-variant (one program per (request, kv head, query tile) reading each KV tile once for every query
-head of its group, since verification is bound by the prefix KV read) is future work and needs a
-GPU to tune.
+  q                [T, Hq, D]    fp16 / bf16 / fp32, in-flight queries, requests concatenated
+  k, v             [T, Hkv, D]   in-flight keys / values (rotary already applied)
+  key_cache,       [num_blocks, block_size, Hkv, D]   vLLM's FlashAttention ("NHD") paged layout,
+  value_cache                    e.g. ``kv_cache[0]`` / ``kv_cache[1]`` of a vLLM layer; any strides
+                                 with the last dim contiguous; block_size any positive integer
+  block_table      [B, max_blocks_per_seq] int32   physical block of logical block n of request b
+  prefix_lens      [B] int32     P_b >= 0 (need not be a multiple of block_size); prefix position p
+                                 of request b is slot (block_table[b, p // block_size], p % block_size)
+  query_start_loc  [B+1] int32   cumulative W_b (vLLM's varlen convention): request b owns rows
+                                 query_start_loc[b] : query_start_loc[b+1] of q, k, v, tree_bits
+  tree_bits        [T, n_words] int32   bit (j % 32) of word j // 32 of row i = in-flight token i may
+                                 see in-flight token j of the same request (j counted from the
+                                 request's first row).  n_words >= ceil(max W_b / 32).  Rows must be
+                                 lower-triangular (j <= i: parents precede children, as in
+                                 DecodingTree slot order) and have bit i set; the helpers below
+                                 check this.  Build it with ``tree_bits_from_tree`` /
+                                 ``tree_bits_from_parents`` / ``pack_tree_mask`` / ``batch_tree_bits``.
+  scale            softmax scale (usually D ** -0.5)
+  output           [T, Hq, D] in q's dtype.  GQA: query head h uses kv head h // (Hq // Hkv).
+
+Algorithm: FlashAttention-2 style tiled attention with the online-softmax recurrence (running row
+max m, normaliser l, un-normalised accumulator acc, all fp32; exp2 with log2(e) folded into the
+scale), extended with (1) paged prefix reads through the block table and (2) an ancestor bitmask
+over the in-flight keys, plus optional split-KV ("flash-decoding") over the prefix.
+
+Kernel design (for H100 at verification shapes).  Verification reads the whole prefix K/V of every
+request for only W <= 256 queries, so it is bound by the prefix KV read (arithmetic intensity
+~ W * Hq / Hkv flops per KV byte), not by flops.  The schedule therefore minimises how often each
+prefix KV byte is read:
+
+* GQA packing: one program per (query tile, request, kv head [, prefix split]).  Its query tile
+  stacks ``BLOCK_M`` rows = tokens x the Hq/Hkv query heads of that kv group (row r is token
+  ``m0 + r // REP``, query head ``hk * REP + r % REP``), so each KV tile is loaded once for the
+  whole group and feeds one ``tl.dot`` of M = BLOCK_M rows instead of REP separate passes.
+  BLOCK_M grows with W * REP (up to 128), so for W * REP <= 128 the prefix is read exactly once.
+* Paged prefix: a KV tile of BLOCK_N positions looks up each position's physical block in the
+  block table (one int32 per key, L1/L2 resident) and loads contiguous D-element rows, so any
+  block size works and no dense gather copy is materialised.
+* In-flight keys come after the prefix in 32-key tiles, one bitmask word per query row per tile
+  (``(word >> lane) & 1``).  A query tile only visits keys up to its last token (lower-triangular
+  masks), so a 256-node tree costs roughly half of a dense W x W block.
+* Split-KV: with few requests (B * Hkv * tiles well below the SM count) the prefix is cut into
+  ``num_splits`` contiguous chunks handled by separate programs that write fp32 partials
+  (acc, m, l); a small combine kernel merges them (the last split also owns the in-flight keys).
+  The default picks splits from the SM count and the longest prefix (>= 256 keys per split).
+* Fully masked tiles are handled without NaNs (row max -inf is replaced by 0 before exp2), and
+  rows outside the request (padding of the last tile) are never stored.
+
+Limits: head_dim a power of two in [16, 256]; q/k/v/caches/out contiguous in the last dim.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,142 +75,367 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs without triton use the reference
     triton = None
 
+WORD_BITS = 32  # bits per tree_bits word (int32)
 
-def tree_bits_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[W, W] bool ancestor mask -> [W, ceil(W/32)] int32 bit words."""
+
+# ----------------------------------------------------------------------------- bitmask helpers
+def _to_int32_words(words64: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> the same 32 bits as int32 (two's complement)."""
+    return torch.where(words64 >= 2 ** 31, words64 - 2 ** 32, words64).to(torch.int32)
+
+
+def pack_tree_mask(mask: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
+    """Pack a boolean visibility mask into ``tree_bits`` rows.
+
+    Args:
+        mask: [W, W] bool, ``mask[i, j]`` = in-flight token i may see in-flight token j.  Must be
+            lower-triangular with a true diagonal (e.g. ``DecodingTree.ancestor_mask``).
+        num_words: words per row (default ``ceil(W / 32)``); pad to a batch-wide count.
+
+    Returns:
+        [W, num_words] int32: bit ``j % 32`` of word ``j // 32`` of row i is ``mask[i, j]``.
+    """
+    mask = torch.as_tensor(mask).to("cpu", torch.bool)
     W = mask.shape[0]
-    words = (W + 31) // 32
-    out = torch.zeros(W, words, dtype=torch.int64)
-    for w in range(words):
-        blk = mask[:, w * 32:(w + 1) * 32].long()
-        out[:, w] = (blk << torch.arange(blk.shape[1])).sum(1)
-    out = torch.where(out >= 2 ** 31, out - 2 ** 32, out)  # reinterpret as int32
-    return out.to(torch.int32)
+    if mask.dim() != 2 or mask.shape[1] != W:
+        raise ValueError(f"pack_tree_mask: mask must be [W, W], got {tuple(mask.shape)}")
+    if torch.triu(mask, 1).any():
+        raise ValueError("pack_tree_mask: token i may only see tokens j <= i (parents before children)")
+    if W and not mask.diagonal().all():
+        raise ValueError("pack_tree_mask: every in-flight token must see itself (diagonal all true)")
+    need = (W + WORD_BITS - 1) // WORD_BITS
+    num_words = need if num_words is None else num_words
+    if num_words < need:
+        raise ValueError(f"pack_tree_mask: W={W} needs {need} words, got num_words={num_words}")
+    padded = torch.zeros(W, num_words * WORD_BITS, dtype=torch.int64)
+    padded[:, :W] = mask.long()
+    lanes = torch.arange(WORD_BITS, dtype=torch.int64)
+    words = (padded.view(W, num_words, WORD_BITS) << lanes).sum(-1)      # [W, num_words] int64
+    return _to_int32_words(words)
 
 
-def bits_for_batch(masks: list[torch.Tensor]) -> torch.Tensor:
-    """Stack per-request ancestor masks into [sum W, words] with a common word count."""
-    words = max((m.shape[0] + 31) // 32 for m in masks)
-    rows = []
-    for m in masks:
-        b = tree_bits_from_mask(m)
-        rows.append(torch.nn.functional.pad(b, (0, words - b.shape[1])))
-    return torch.cat(rows)
+def unpack_tree_bits(tree_bits: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_tree_mask`: [N, n_words] int32 -> [N, width] bool (columns < width)."""
+    lanes = torch.arange(WORD_BITS, device=tree_bits.device, dtype=torch.int32)
+    bits = (tree_bits.to(torch.int32).unsqueeze(-1) >> lanes) & 1          # [N, n_words, 32]
+    return bits.flatten(1)[:, :width].bool()
 
 
-def _unpack(bits_row: torch.Tensor, W: int) -> torch.Tensor:
-    j = torch.arange(W)
-    words = bits_row.long()[j // 32] & 0xFFFFFFFF
-    return ((words >> (j % 32)) & 1).bool()
+def ancestor_mask_from_parents(parent: torch.Tensor) -> torch.Tensor:
+    """[W] int parent index (-1 for a root, parent[i] < i) -> [W, W] bool ancestor-or-self mask."""
+    parent = torch.as_tensor(parent).to("cpu", torch.long)
+    W = parent.numel()
+    idx = torch.arange(W)
+    if ((parent >= idx) | (parent < -1)).any():
+        raise ValueError("ancestor_mask_from_parents: need -1 <= parent[i] < i (parents before children)")
+    mask = torch.eye(W, dtype=torch.bool)
+    cur = parent.clone()
+    while (cur >= 0).any():                       # pointer jumping, one level per step (<= depth)
+        live = cur >= 0
+        mask[idx[live], cur[live]] = True
+        cur = torch.where(live, parent[cur.clamp(min=0)], cur)
+    return mask
 
 
-def tree_attention_ref(q, k, v, key_cache, value_cache, block_table, prefix_lens, query_start_loc, tree_bits,
-                       scale: float) -> torch.Tensor:
-    """Plain-torch reference (also the CPU path).  Same arguments as :func:`tree_attention`."""
+def tree_bits_from_parents(parent: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
+    """[W] parent indices (-1 = root, parent[i] < i) -> [W, num_words] int32 tree_bits."""
+    return pack_tree_mask(ancestor_mask_from_parents(parent), num_words)
+
+
+def tree_bits_from_tree(tree, num_words: Optional[int] = None) -> torch.Tensor:
+    """A ``DecodingTree`` (slot 0 = root) -> [num_slots, num_words] int32 tree_bits."""
+    return pack_tree_mask(tree.ancestor_mask, num_words)
+
+
+def causal_tree_bits(width: int, num_words: Optional[int] = None) -> torch.Tensor:
+    """A chain of ``width`` tokens (plain causal attention) -> [width, num_words] int32."""
+    return pack_tree_mask(torch.ones(width, width, dtype=torch.bool).tril(), num_words)
+
+
+def batch_tree_bits(items: Sequence, num_words: Optional[int] = None) -> torch.Tensor:
+    """Concatenate per-request bitmasks into the [T, n_words] int32 ``tree_bits`` of a batch.
+
+    Each item is a ``DecodingTree``, a [W, W] bool mask, or a [W] parent-index tensor/list.  The
+    word count is common to the batch (default: enough for the widest request).
+    """
+    masks = []
+    for it in items:
+        if hasattr(it, "ancestor_mask"):
+            masks.append(it.ancestor_mask)
+        else:
+            t = torch.as_tensor(it)
+            masks.append(t.bool() if t.dim() == 2 else ancestor_mask_from_parents(t))
+    need = max([(m.shape[0] + WORD_BITS - 1) // WORD_BITS for m in masks] + [1])
+    num_words = need if num_words is None else num_words
+    if not masks:
+        return torch.zeros(0, num_words, dtype=torch.int32)
+    return torch.cat([pack_tree_mask(m, num_words) for m in masks])
+
+
+# ----------------------------------------------------------------------------- reference
+def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_table: torch.Tensor, prefix_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, tree_bits: torch.Tensor, scale: float, *,
+                       out: Optional[torch.Tensor] = None, **_hints) -> torch.Tensor:
+    """Plain-torch tree attention (the CPU path and the kernels' test oracle).
+
+    Same arguments, shapes and result as :func:`tree_attention` (see the module docstring):
+    q [T, Hq, D], k/v [T, Hkv, D], key/value_cache [num_blocks, block_size, Hkv, D],
+    block_table [B, max_blocks] int32, prefix_lens [B] int32, query_start_loc [B+1] int32,
+    tree_bits [T, n_words] int32 (any mask is honoured here, not only lower-triangular ones);
+    returns [T, Hq, D] in q's dtype (written into ``out`` when given).  Tuning hints accepted by
+    the kernel (``max_query_len``, ``num_splits``, ...) are ignored.
+
+    Per request: gather the prefix K/V through the block table, append the in-flight K/V, and run
+    ``scaled_dot_product_attention`` (fp32, grouped-query) with the boolean mask
+    [all prefix | unpacked tree bits].  One host sync for the request offsets.
+    """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    rep = Hq // Hkv
+    if Hq % Hkv:
+        raise ValueError(f"tree_attention_ref: Hq={Hq} is not a multiple of Hkv={Hkv}")
     bs = key_cache.shape[1]
-    out = torch.empty_like(q)
-    for b in range(block_table.shape[0]):
-        s, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        if e == s:
+    out = torch.empty_like(q) if out is None else out
+    starts = query_start_loc.tolist()
+    plens = prefix_lens.tolist()
+    for b in range(len(starts) - 1):
+        s, e, P = starts[b], starts[b + 1], plens[b]
+        W = e - s
+        if W == 0:
             continue
-        P, W = int(prefix_lens[b]), e - s
-        nblk = (P + bs - 1) // bs
-        blocks = block_table[b, :nblk].long()
-        kp = key_cache[blocks].reshape(-1, Hkv, D)[:P]                     # [P, Hkv, D]
+        blocks = block_table[b, :(P + bs - 1) // bs].long()
+        kp = key_cache[blocks].reshape(-1, Hkv, D)[:P]                    # [P, Hkv, D]
         vp = value_cache[blocks].reshape(-1, Hkv, D)[:P]
-        keys = torch.cat([kp, k[s:e]]).float().repeat_interleave(rep, 1)   # [P+W, Hq, D]
-        vals = torch.cat([vp, v[s:e]]).float().repeat_interleave(rep, 1)
-        allowed = torch.ones(W, P + W, dtype=torch.bool)
-        allowed[:, P:] = torch.stack([_unpack(tree_bits[s + i], W) for i in range(W)])
-        scores = torch.einsum("whd,nhd->hwn", q[s:e].float(), keys) * scale
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[s:e] = torch.einsum("hwn,nhd->whd", scores.softmax(-1), vals).to(q.dtype)
+        keys = torch.cat([kp, k[s:e]]).float().transpose(0, 1)            # [Hkv, P+W, D]
+        vals = torch.cat([vp, v[s:e]]).float().transpose(0, 1)
+        allowed = torch.ones(W, P + W, dtype=torch.bool, device=q.device)  # [W, P+W]
+        allowed[:, P:] = unpack_tree_bits(tree_bits[s:e], W)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].float().transpose(0, 1), keys, vals, attn_mask=allowed, scale=scale,
+            enable_gqa=Hq != Hkv)                                         # [Hq, W, D]
+        out[s:e] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
+# ----------------------------------------------------------------------------- Triton kernels
 if triton is not None:
     @triton.jit
-    def _tree_attn_kernel(Q, K, V, KC, VC, BT, PL, QSL, BITS, O, scale_log2e,
-                          sq_t, sq_h, sk_t, sk_h, skc_b, skc_s, skc_h, sbt_b, sbits_t, so_t, so_h,
-                          NUM_WORDS: tl.constexpr, REP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_REQS: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        hk = h // REP
-        # find the request of token t (few requests: linear scan of query_start_loc)
-        req = 0
-        for r in tl.static_range(MAX_REQS):  # query_start_loc is sorted: count requests ending <= t
-            req += (tl.load(QSL + r + 1) <= t).to(tl.int32)
-        start = tl.load(QSL + req)
-        end = tl.load(QSL + req + 1)
-        P = tl.load(PL + req)
+    def _tree_attn_fwd(Q, K, V, KC, VC, BT, PL, QSL, BITS, O, PACC, PML, scale_log2e,
+                       s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
+                       s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
+                       s_bt, s_bits, s_ot, s_oh, s_pa_s, s_pa_t, s_pm_s, s_pm_t,
+                       REP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, TOK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        tile = tl.program_id(0)
+        b = tl.program_id(1)
+        hk = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+        start = tl.load(QSL + b)
+        W = tl.load(QSL + b + 1) - start
+        m0 = tile * TOK_M
+        if m0 >= W:
+            return
+        # packed query rows: token m0 + r // REP, query head hk * REP + r % REP
+        r = tl.arange(0, BLOCK_M)
+        tok = m0 + r // REP                                              # [BLOCK_M]
+        head = hk * REP + r % REP
+        row_ok = (r < TOK_M * REP) & (tok < W)
+        row = (start + tok).to(tl.int64)
         d = tl.arange(0, D)
-        q = tl.load(Q + t * sq_t + h * sq_h + d).to(tl.float32)
-        m = tl.full((), float("-inf"), tl.float32)
-        l = tl.zeros((), tl.float32)
-        acc = tl.zeros((D,), tl.float32)
-        n_off = tl.arange(0, BLOCK_N)
-        # 1) the committed prefix, through the block table
-        for n0 in range(0, P, BLOCK_N):
-            pos = n0 + n_off
-            valid = pos < P
-            blk = tl.load(BT + req * sbt_b + pos // BLOCK_SIZE, mask=valid, other=0)
-            base = blk.to(tl.int64) * skc_b + (pos % BLOCK_SIZE) * skc_s + hk * skc_h
-            kt = tl.load(KC + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(kt * q[None, :], 1) * scale_log2e
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile adds nothing
-            p = tl.exp2(s - m_safe)
-            alpha = tl.exp2(m - m_safe)
-            vt = tl.load(VC + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
-            l = l * alpha + tl.sum(p, 0)
-            m = m_new
-        # 2) the in-flight tree tokens of this request, under the ancestor bitmask
-        W = end - start
-        for j0 in range(0, W, BLOCK_N):
-            j = j0 + n_off
-            inb = j < W
-            word = tl.load(BITS + t * sbits_t + j // 32, mask=inb, other=0)
-            vis = inb & (((word >> (j % 32)) & 1) == 1)
-            rows = (start + j).to(tl.int64)
-            kt = tl.load(K + rows[:, None] * sk_t + hk * sk_h + d[None, :], mask=vis[:, None], other=0.0)
-            s = tl.sum(kt.to(tl.float32) * q[None, :], 1) * scale_log2e
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe)
-            alpha = tl.exp2(m - m_safe)
-            vt = tl.load(V + rows[:, None] * sk_t + hk * sk_h + d[None, :], mask=vis[:, None], other=0.0)
-            acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), 0)
-            l = l * alpha + tl.sum(p, 0)
-            m = m_new
-        tl.store(O + t * so_t + h * so_h + d, (acc / l).to(O.dtype.element_ty))
+        q = tl.load(Q + row[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)                     # [BLOCK_M, D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+
+        # 1) this split's share of the committed prefix, read through the block table
+        P = tl.load(PL + b)
+        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, P)
+        n = tl.arange(0, BLOCK_N)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + n
+            key_ok = pos < hi                                            # [BLOCK_N]
+            blk = tl.load(BT + b * s_bt + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
+            off = pos % PAGE
+            kt = tl.load(KC + (blk * s_kcb + off * s_kcs + hk * s_kch)[:, None] + d[None, :],
+                         mask=key_ok[:, None], other=0.0)                # [BLOCK_N, D]
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * scale_log2e
+            s = tl.where(key_ok[None, :], s, float("-inf"))             # [BLOCK_M, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            vt = tl.load(VC + (blk * s_vcb + off * s_vcs + hk * s_vch)[:, None] + d[None, :],
+                         mask=key_ok[:, None], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        # 2) the request's in-flight keys (last split only), 32 per tile = one bitmask word per row;
+        #    masks are lower-triangular, so keys past this tile's last token are never visible
+        j_hi = tl.where(split == NUM_SPLITS - 1, tl.minimum(W, m0 + TOK_M), 0)
+        lane = tl.arange(0, 32)
+        for j0 in range(0, j_hi, 32):
+            j = j0 + lane
+            kv_ok = j < W
+            word = tl.load(BITS + row * s_bits + j0 // 32, mask=row_ok, other=0)   # [BLOCK_M] int32
+            vis = (((word[:, None] >> lane[None, :]) & 1) != 0) & kv_ok[None, :]
+            krow = (start + j).to(tl.int64)
+            kt = tl.load(K + krow[:, None] * s_kt + hk * s_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * scale_log2e
+            s = tl.where(vis, s, float("-inf"))                          # [BLOCK_M, 32]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            vt = tl.load(V + krow[:, None] * s_vt + hk * s_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(O + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+                     o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        else:  # fp32 partials, merged by _tree_attn_combine; PACC [S, T, Hq, D], PML [S, T, Hq, 2]
+            ph = split * s_pa_s + row[:, None] * s_pa_t + head[:, None] * D
+            tl.store(PACC + ph + d[None, :], acc, mask=row_ok[:, None])
+            pm = split * s_pm_s + row * s_pm_t + head * 2
+            tl.store(PML + pm, m_i, mask=row_ok)
+            tl.store(PML + pm + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _tree_attn_combine(PACC, PML, O, s_pa_s, s_pa_t, s_pm_s, s_pm_t, s_ot, s_oh, Hq,
+                           D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+        """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)          # [BLOCK_H]
+        h_ok = h < Hq
+        sp = tl.arange(0, SPLITS_P2)
+        ok = (sp[:, None] < NUM_SPLITS) & h_ok[None, :]                  # [S, BLOCK_H]
+        pm = sp[:, None] * s_pm_s + t * s_pm_t + h[None, :] * 2
+        m = tl.load(PML + pm, mask=ok, other=float("-inf"))
+        l = tl.load(PML + pm + 1, mask=ok, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_max[None, :])                                   # [S, BLOCK_H]
+        den = tl.sum(w * l, 0)
+        d = tl.arange(0, D)
+        acc = tl.load(PACC + (sp[:, None] * s_pa_s + t * s_pa_t + h[None, :] * D)[:, :, None] + d[None, None, :],
+                      mask=ok[:, :, None], other=0.0)                     # [S, BLOCK_H, D]
+        o = tl.sum(w[:, :, None] * acc, 0) / tl.where(den == 0.0, 1.0, den)[:, None]
+        tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], o.to(O.dtype.element_ty),
+                 mask=h_ok[:, None])
 
 
-def tree_attention(q, k, v, key_cache, value_cache, block_table, prefix_lens, query_start_loc, tree_bits,
-                   scale: float, block_n: int = 32) -> torch.Tensor:
-    """Triton tree attention (see module docstring for shapes).  Every token sees itself, so every
-    softmax row has at least one finite score."""
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def default_config(max_query_len: int, rep: int, head_dim: int) -> dict:
+    """Tile sizes: BLOCK_M packed rows (tokens x group heads), BLOCK_N prefix keys per tile."""
+    rows = triton.next_power_of_2(max(1, max_query_len) * rep)
+    block_m = min(128, max(16, rows, triton.next_power_of_2(rep)))
+    big = block_m * head_dim >= 128 * 128
+    return {"block_m": block_m, "block_n": 64 if head_dim <= 128 else 32,
+            "num_warps": 8 if big else 4, "num_stages": 2}
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_table: torch.Tensor, prefix_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, tree_bits: torch.Tensor, scale: float, *,
+                   out: Optional[torch.Tensor] = None, max_query_len: Optional[int] = None,
+                   max_prefix_len: Optional[int] = None, num_splits: Optional[int] = None,
+                   config: Optional[dict] = None) -> torch.Tensor:
+    """Triton tree attention; shapes and semantics in the module docstring.
+
+    Args (beyond the tensors):
+        scale: softmax scale.
+        out: optional [T, Hq, D] output buffer (q's dtype).
+        max_query_len: max_b W_b.  Pass it (vLLM's metadata has it) to avoid a device sync.
+        max_prefix_len: max_b P_b, used only to choose ``num_splits``; pass it to avoid a sync.
+        num_splits: prefix splits (split-KV); default from the SM count and ``max_prefix_len``.
+        config: override tile sizes: ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
+
+    Returns:
+        [T, Hq, D] in q's dtype.
+    """
     if triton is None:
         raise RuntimeError("triton is not installed; use tree_attention_ref")
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    assert Hq % Hkv == 0, "query heads must be a multiple of kv heads (GQA)"
-    assert D & (D - 1) == 0, "head_dim must be a power of two"
-    out = torch.empty_like(q)
     B = block_table.shape[0]
-    grid = (T, Hq)
-    _tree_attn_kernel[grid](
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"tree_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"tree_attention: head_dim must be a power of two in [16, 256], got {D}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"tree_attention: {name} must be contiguous in its last dim")
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    rep = Hq // Hkv
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    cfg = default_config(max_query_len, rep, D)
+    cfg.update(config or {})
+    block_m = cfg["block_m"]
+    tok_m = block_m // rep
+    if tok_m < 1:
+        raise ValueError(f"tree_attention: block_m={block_m} is smaller than the GQA group {rep}")
+    n_tiles = triton.cdiv(max_query_len, tok_m)
+    if num_splits is None:
+        base = n_tiles * B * Hkv
+        sms = _num_sms(q.device)
+        if base >= sms:
+            num_splits = 1
+        else:
+            if max_prefix_len is None:
+                max_prefix_len = int(prefix_lens.max()) if B else 0
+            num_splits = max(1, min(triton.cdiv(2 * sms, base), max_prefix_len // 256, 32))
+    # Triton's CPU interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16): there the
+    # kernel upcasts its tiles to fp32 first.  On GPU bf16 tiles go to the tensor cores as they are.
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    dot_prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    if num_splits > 1:
+        pacc = torch.empty(num_splits, T, Hq, D, device=q.device, dtype=torch.float32)
+        pml = torch.empty(num_splits, T, Hq, 2, device=q.device, dtype=torch.float32)
+    else:
+        pacc = pml = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
+    _tree_attn_fwd[(n_tiles, B, Hkv * num_splits)](
         q, k, v, key_cache, value_cache, block_table, prefix_lens, query_start_loc, tree_bits, out,
-        scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), tree_bits.stride(0),
-        out.stride(0), out.stride(1),
-        NUM_WORDS=tree_bits.shape[1], REP=Hq // Hkv, BLOCK_SIZE=key_cache.shape[1], D=D, BLOCK_N=block_n,
-        MAX_REQS=B)
+        pacc, pml, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), tree_bits.stride(0), out.stride(0), out.stride(1),
+        pacc.stride(0), pacc.stride(1), pml.stride(0), pml.stride(1),
+        REP=rep, PAGE=key_cache.shape[1], D=D, BLOCK_M=block_m, TOK_M=tok_m,
+        BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if num_splits > 1:
+        block_h = min(16, triton.next_power_of_2(Hq))
+        _tree_attn_combine[(T, triton.cdiv(Hq, block_h))](
+            pacc, pml, out, pacc.stride(0), pacc.stride(1), pml.stride(0), pml.stride(1),
+            out.stride(0), out.stride(1), Hq, D=D, NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_H=block_h)
     return out

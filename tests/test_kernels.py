@@ -11,9 +11,12 @@ import torch
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 on CPU (make test does)", allow_module_level=True)
 
-from falcon_vllm.kernels.kv_compaction import kv_compaction, kv_compaction_ref  # noqa: E402
-from falcon_vllm.kernels.tree_attention import (bits_for_batch, tree_attention,  # noqa: E402
-                                                tree_attention_ref)
+from falcon_vllm.kernels.kv_compaction import (kv_compaction, kv_compaction_ref,  # noqa: E402
+                                               plane_table, vllm_planes)
+from falcon_vllm.kernels.tree_attention import (ancestor_mask_from_parents, batch_tree_bits,  # noqa: E402
+                                                causal_tree_bits, pack_tree_mask, tree_attention,
+                                                tree_attention_ref, tree_bits_from_parents,
+                                                tree_bits_from_tree, unpack_tree_bits)
 from falcon_vllm.tree import build_tree, DecodingTree  # noqa: E402
 
 torch.set_num_threads(1)
@@ -47,7 +50,7 @@ def _case(prefix_lens, trees, Hq, Hkv, D, dtype, bs=16, seed=0):
     q, k, v = r(T, Hq, D), r(T, Hkv, D), r(T, Hkv, D)
     kc, vc = r(num_blocks, bs, Hkv, D), r(num_blocks, bs, Hkv, D)
     qsl = torch.tensor([0] + list(torch.tensor(Ws).cumsum(0)), dtype=torch.int32)
-    bits = bits_for_batch([t.ancestor_mask for t in trees])
+    bits = batch_tree_bits(trees)
     return q, k, v, kc, vc, bt, torch.tensor(prefix_lens, dtype=torch.int32), qsl, bits
 
 
@@ -72,19 +75,22 @@ def _dense(q, k, v, kc, vc, bt, pl, qsl, trees, scale):
 
 
 GRID = [
-    # prefix lens, trees, Hq, Hkv, D, dtype
-    ([0], [build_tree("chain-5", 1)], 2, 2, 64, torch.float32),
-    ([1, 16], [build_tree("tree-2x2", 1), _random_tree(7, 1)], 3, 1, 64, torch.float32),
-    ([37, 5, 32], [_random_tree(9, 2), build_tree("chain-3", 1), _random_tree(12, 3)], 4, 2, 128, torch.float32),
-    ([20], [build_tree("falcon-llama", 2)], 2, 1, 64, torch.float32),
-    ([33, 0], [_random_tree(40, 4), build_tree("tree-3x2", 1)], 2, 2, 64, torch.float16),
-    ([17], [_random_tree(10, 5)], 2, 1, 64, torch.bfloat16),
+    # prefix lens, trees, Hq, Hkv, D, dtype, block size
+    ([0], [build_tree("chain-5", 1)], 2, 2, 64, torch.float32, 16),
+    ([1, 16], [build_tree("tree-2x2", 1), _random_tree(7, 1)], 3, 1, 64, torch.float32, 16),
+    ([37, 5, 32], [_random_tree(9, 2), build_tree("chain-3", 1), _random_tree(12, 3)], 4, 2, 128, torch.float32, 16),
+    ([20], [build_tree("falcon-llama", 2)], 2, 1, 64, torch.float32, 16),
+    ([33, 0], [_random_tree(40, 4), build_tree("tree-3x2", 1)], 2, 2, 64, torch.float16, 16),
+    ([17], [_random_tree(10, 5)], 2, 1, 64, torch.bfloat16, 16),
+    ([23, 10, 0, 5], [_random_tree(6, 6), build_tree("chain-2", 1), _random_tree(3, 7), build_tree("chain-1", 1)],
+     8, 2, 64, torch.float32, 5),                                      # block size 5, GQA 4, B=4
+    ([70], [build_tree("falcon-vicuna", 2)], 1, 1, 64, torch.float32, 16),  # 165 nodes: 6 mask words
 ]
 
 
-@pytest.mark.parametrize("prefix_lens,trees,Hq,Hkv,D,dtype", GRID)
-def test_tree_attention_matches_reference(prefix_lens, trees, Hq, Hkv, D, dtype):
-    args = _case(prefix_lens, trees, Hq, Hkv, D, dtype)
+@pytest.mark.parametrize("prefix_lens,trees,Hq,Hkv,D,dtype,bs", GRID)
+def test_tree_attention_matches_reference(prefix_lens, trees, Hq, Hkv, D, dtype, bs):
+    args = _case(prefix_lens, trees, Hq, Hkv, D, dtype, bs=bs)
     scale = D ** -0.5
     ref = tree_attention_ref(*args, scale=scale)
     dense = _dense(*args[:-1], trees, scale)
@@ -94,23 +100,94 @@ def test_tree_attention_matches_reference(prefix_lens, trees, Hq, Hkv, D, dtype)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
-def test_kv_compaction_overlapping_multi_layer():
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_tree_attention_split_prefix(num_splits):
+    """Split-KV over the prefix (partials + combine kernel), including a split left empty (P=0)."""
+    trees = [build_tree("tree-2x2", 1), _random_tree(5, 8), build_tree("chain-3", 1)]
+    args = _case([45, 0, 130], trees, 4, 2, 64, torch.float32, bs=16, seed=3)
+    ref = tree_attention_ref(*args, scale=0.125)
+    out = tree_attention(*args, scale=0.125, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_attention_small_tiles_and_out_buffer():
+    """Several query tiles per request (block_m below W x group) and an explicit output buffer."""
+    trees = [_random_tree(13, 9)]
+    args = _case([9], trees, 4, 2, 64, torch.float32, bs=4, seed=4)
+    ref = tree_attention_ref(*args, scale=0.125)
+    buf = torch.full_like(args[0], float("nan"))
+    out = tree_attention(*args, scale=0.125, out=buf, config={"block_m": 16, "block_n": 16})
+    assert out.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_bits_helpers():
+    tree = build_tree("falcon-llama", 2)
+    W = tree.num_slots
+    bits = tree_bits_from_tree(tree)
+    assert bits.dtype == torch.int32 and bits.shape == (W, (W + 31) // 32)
+    assert torch.equal(unpack_tree_bits(bits, W), tree.ancestor_mask)
+    assert torch.equal(ancestor_mask_from_parents(tree.parent), tree.ancestor_mask)
+    assert torch.equal(tree_bits_from_parents(tree.parent), bits)
+    assert torch.equal(unpack_tree_bits(causal_tree_bits(40), 40), torch.ones(40, 40, dtype=torch.bool).tril())
+    chain = build_tree("chain-4", 1)
+    both = batch_tree_bits([tree, chain.parent])              # a tree and a parent list, padded words
+    assert both.shape == (W + chain.num_slots, bits.shape[1])
+    assert torch.equal(unpack_tree_bits(both[W:], chain.num_slots), chain.ancestor_mask)
+    bit31 = pack_tree_mask(torch.ones(32, 32, dtype=torch.bool).tril())  # the sign bit of an int32 word
+    assert int(bit31[31, 0]) == -1
+    with pytest.raises(ValueError, match="j <= i"):
+        pack_tree_mask(torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="itself"):
+        pack_tree_mask(torch.zeros(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="parent"):
+        ancestor_mask_from_parents(torch.tensor([-1, 2, 0]))
+    with pytest.raises(ValueError, match="words"):
+        pack_tree_mask(torch.ones(40, 40, dtype=torch.bool).tril(), num_words=1)
+
+
+def _compaction_case(dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    caches = torch.randn(3, 4, 8, 2, 64, generator=g)   # 3 layers, 4 blocks of 8 slots
+    caches = torch.randn(3, 2, 4, 8, 2, 64, generator=g).to(dtype)   # 3 layers x (K, V), 4 blocks of 8
     # request 1: prefix ends at slot 9; accepted nodes at 11, 12, 15 -> 10, 11, 12 (dst 11 is a src)
-    # request 2 (blocks 2-3): accepted 20, 23 -> 18, 19
-    src = torch.tensor([11, 12, 15, 20, 23])
-    dst = torch.tensor([10, 11, 12, 18, 19])
-    want = caches.clone().view(3, 32, 2, 64)
+    # request 2 (blocks 2-3): accepted 20, 23 -> 18, 19;  a pair with src == dst is a no-op
+    src = torch.tensor([11, 12, 15, 20, 23, 27])
+    dst = torch.tensor([10, 11, 12, 18, 19, 27])
+    want = caches.clone().view(3, 2, 32, 2, 64)
     orig = want.clone()
-    for s, d in zip(src.tolist(), dst.tolist()):
-        want[:, d] = orig[:, s]
+    for s_, d in zip(src.tolist(), dst.tolist()):
+        want[:, :, d] = orig[:, :, s_]
+    return caches, src, dst, want.view_as(caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_compaction_overlapping_multi_layer(dtype):
+    caches, src, dst, want = _compaction_case(dtype)
     ref = caches.clone()
-    kv_compaction_ref(ref, src, dst)
-    torch.testing.assert_close(ref.view(3, 32, 2, 64), want)
+    kv_compaction_ref(ref.flatten(0, 1), src, dst)              # stacked planes [6, blocks, bs, H, D]
+    assert torch.equal(ref, want)
+    layers = [c.clone() for c in caches]                        # vLLM layer tensors [2, blocks, bs, H, D]
+    kv_compaction(vllm_planes(layers), src, dst)
+    assert torch.equal(torch.stack(layers), want)
+
+
+def test_kv_compaction_rows_with_counts():
+    """[B, A] pairs with per-request counts (padding ignored) and a prebuilt pointer table."""
+    caches, src, dst, want = _compaction_case()
+    rows_src = torch.tensor([[11, 12, 15, 0], [20, 23, 27, 0]])
+    rows_dst = torch.tensor([[10, 11, 12, 1], [18, 19, 27, 2]])  # the 4th column is padding
+    counts = torch.tensor([3, 3])
+    ref = caches.clone()
+    kv_compaction_ref(list(ref.flatten(0, 1).unbind(0)), rows_src, rows_dst, counts)
+    assert torch.equal(ref, want)
     tri = caches.clone()
-    kv_compaction(tri, src, dst)
-    torch.testing.assert_close(tri, ref)
+    table = plane_table(list(tri.flatten(0, 1).unbind(0)))
+    kv_compaction(table, rows_src, rows_dst, counts, block_p=2)   # several chunks per row
+    assert torch.equal(tri, want)
+    with pytest.raises(ValueError, match="counts"):
+        kv_compaction_ref(ref.flatten(0, 1), rows_src, rows_dst)
+    with pytest.raises(ValueError, match="same shape"):
+        plane_table([caches[0, 0], caches[0, 0, :2]])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
