@@ -196,3 +196,23 @@ def test_tree_attention_on_gpu():
     ref = tree_attention_ref(*[a.cpu() for a in args], scale=128 ** -0.5)
     torch.testing.assert_close(tree_attention(*args, scale=128 ** -0.5).cpu().float(), ref.float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_bench_kernels_smoke(tmp_path):
+    """The kernel benchmark script runs end to end (tiny shapes; on CPU through the interpreter)."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import bench_kernels
+
+    if torch.cuda.is_available():
+        argv = ["--heads", "gqa8", "--width", "8", "--prefix", "64", "--batch", "1", "--name", "k"]
+    else:
+        argv = ["--smoke", "--name", "k"]
+    assert bench_kernels.main(argv + ["--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "k.json").read_text())
+    assert res["tree_attention"] and res["kv_compaction"]
+    for r in res["tree_attention"]:
+        assert r["tree_ms"] > 0 and r["sdpa_ms"] > 0 and r["max_abs_err_vs_ref"] < 2e-2
+    assert (tmp_path / "k.md").read_text().startswith("# Kernel benchmark")

@@ -1,0 +1,243 @@
+#!/usr/bin/env python
+"""Tree-attention and KV-compaction kernels on verification shapes (GPU).
+
+    python benchmarks/bench_kernels.py                      # full grid, needs a CUDA GPU
+    python benchmarks/bench_kernels.py --batch 1 --width 128 --prefix 2048 --heads 7b
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --smoke   # CPU: checks the script only
+
+For every shape (heads x W x prefix x batch) it times, with ``triton.testing.do_bench`` (median,
+L2 flushed between runs):
+
+* ``tree``: :func:`falcon_vllm.kernels.tree_attention.tree_attention` reading the prefix through a
+  paged block table (block size 16, physical blocks shuffled) and the tree under an ancestor mask;
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask
+  [B, 1, W, P + W] over K/V that are already dense and contiguous (it gets the gather for free);
+* ``flash_attn`` when the package is installed: ``flash_attn_with_kvcache`` on the same paged
+  cache with a *causal* mask (a chain, not a tree: a lower bound for what a tree needs).
+
+and reports the KV-read bandwidth of the tree kernel: bytes of prefix K and V plus in-flight
+q/k/v/out, divided by the time, as a fraction of the device's peak HBM bandwidth.  The tree of
+width W is a random tree with W nodes (depth-first slot order, branching like the paper's trees).
+``kv_compaction`` is timed moving an accepted path of 8 tokens per request in all layers.
+
+Results go to ``benchmarks/results/<name>.{json,md}`` with the device named.  Without a GPU the
+script says so and exits with status 2 (``--smoke`` runs two tiny shapes through the Triton
+interpreter instead, to test the script; its timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+HEADS = {"7b": (32, 32, 128), "13b": (40, 40, 128), "gqa8": (32, 8, 128)}  # (Hq, Hkv, D)
+PEAK_HBM = {"H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+            "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12, "A100": 1.555e12}
+
+
+def peak_bandwidth(name: str) -> float | None:
+    for key, bw in PEAK_HBM.items():
+        if all(part in name for part in key.split()):
+            return bw
+    return None
+
+
+def random_tree_parents(width: int, seed: int) -> torch.Tensor:
+    """Parent indices of a random tree of ``width`` slots (slot 0 = root, parents precede children)."""
+    g = torch.Generator().manual_seed(seed)
+    parent = [-1]
+    for i in range(1, width):
+        # favour recent nodes: deep, paper-like trees rather than a flat star
+        lo = max(0, i - 4)
+        parent.append(int(torch.randint(lo, i, (1,), generator=g)))
+    return torch.tensor(parent)
+
+
+def make_case(B, W, P, Hq, Hkv, D, dtype, device, block_size=16, seed=0):
+    from falcon_vllm.kernels.tree_attention import batch_tree_bits
+
+    g = torch.Generator().manual_seed(seed)
+    nblk = (P + block_size - 1) // block_size
+    num_blocks = max(1, B * nblk)
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = perm[: B * nblk].view(B, nblk).to(torch.int32) if nblk else torch.zeros(B, 1, dtype=torch.int32)
+    T = B * W
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    q, k, v = r(T, Hq, D), r(T, Hkv, D), r(T, Hkv, D)
+    kc, vc = r(num_blocks, block_size, Hkv, D), r(num_blocks, block_size, Hkv, D)
+    parents = [random_tree_parents(W, seed + b) for b in range(B)]
+    bits = batch_tree_bits(parents)
+    qsl = torch.arange(0, T + 1, W, dtype=torch.int32)
+    pl = torch.full((B,), P, dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return dict(q=q, k=k, v=v, key_cache=kc, value_cache=vc, block_table=to(block_table),
+                prefix_lens=to(pl), query_start_loc=to(qsl), tree_bits=to(bits)), parents
+
+
+def dense_inputs(case, parents, B, W, P):
+    """Dense K/V [B, Hkv, P+W, D] and the boolean mask [B, 1, W, P+W] for SDPA."""
+    from falcon_vllm.kernels.tree_attention import ancestor_mask_from_parents
+
+    kc, vc, bt = case["key_cache"], case["value_cache"], case["block_table"]
+    Hkv, D = kc.shape[2], kc.shape[3]
+    Hq = case["q"].shape[1]
+    nblk = bt.shape[1]
+    kp = kc[bt.long()].reshape(B, nblk * kc.shape[1], Hkv, D)[:, :P]
+    vp = vc[bt.long()].reshape(B, nblk * vc.shape[1], Hkv, D)[:, :P]
+    K = torch.cat([kp, case["k"].view(B, W, Hkv, D)], 1).transpose(1, 2).contiguous()
+    V = torch.cat([vp, case["v"].view(B, W, Hkv, D)], 1).transpose(1, 2).contiguous()
+    Q = case["q"].view(B, W, Hq, D).transpose(1, 2).contiguous()
+    mask = torch.ones(B, 1, W, P + W, dtype=torch.bool, device=Q.device)
+    for b, par in enumerate(parents):
+        mask[b, 0, :, P:] = ancestor_mask_from_parents(par).to(Q.device)
+    return Q, K, V, mask
+
+
+def bench(fn, smoke: bool) -> float:
+    """Median milliseconds."""
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def run_shape(heads, B, W, P, dtype, device, smoke, peak):
+    from falcon_vllm.kernels.tree_attention import tree_attention, tree_attention_ref
+
+    Hq, Hkv, D = HEADS[heads] if not smoke else (4, 2, 64)
+    case, parents = make_case(B, W, P, Hq, Hkv, D, dtype, device)
+    scale = D ** -0.5
+    out = tree_attention(**case, scale=scale, max_query_len=W, max_prefix_len=P)
+    ref = tree_attention_ref(**{k: v for k, v in case.items()}, scale=scale)
+    err = float((out.float() - ref.float()).abs().max())
+    row = {"heads": heads, "Hq": Hq, "Hkv": Hkv, "head_dim": D, "batch": B, "width": W, "prefix": P,
+           "dtype": str(dtype).replace("torch.", ""), "max_abs_err_vs_ref": err}
+    row["tree_ms"] = bench(lambda: tree_attention(**case, scale=scale, max_query_len=W, max_prefix_len=P),
+                           smoke)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    kv_bytes = 2 * B * P * Hkv * D * elem
+    io_bytes = B * W * (2 * Hq + 2 * Hkv) * D * elem
+    row["kv_read_GBps"] = (kv_bytes + io_bytes) / (row["tree_ms"] * 1e-3) / 1e9
+    row["frac_peak_hbm"] = (row["kv_read_GBps"] * 1e9 / peak) if peak else None
+    Q, K, V, mask = dense_inputs(case, parents, B, W, P)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    row["sdpa_ms"] = bench(lambda: sdpa(Q, K, V, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv), smoke)
+    row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["tree_ms"]
+    row["flash_attn_causal_ms"] = None
+    try:
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        if device == "cuda" and dtype != torch.float32:
+            qf = case["q"].view(B, W, Hq, D)
+            seqlens = case["prefix_lens"].clone()
+            row["flash_attn_causal_ms"] = bench(lambda: flash_attn_with_kvcache(
+                qf, case["key_cache"], case["value_cache"], k=case["k"].view(B, W, Hkv, D),
+                v=case["v"].view(B, W, Hkv, D), cache_seqlens=seqlens, block_table=case["block_table"],
+                causal=True), smoke)
+    return row
+
+
+def run_compaction(B, layers, Hkv, D, dtype, device, smoke):
+    from falcon_vllm.kernels.kv_compaction import kv_compaction, plane_table
+
+    bs, A = 16, 8
+    nblk = 4
+    planes = [torch.randn(B * nblk, bs, Hkv, D).to(dtype).to(device) for _ in range(2 * layers)]
+    table = plane_table(planes)
+    base = torch.arange(B) * nblk * bs + 3
+    src = (base[:, None] + 2 * torch.arange(A)[None, :] + 1).to(torch.int32).to(device)
+    dst = (base[:, None] + torch.arange(A)[None, :]).to(torch.int32).to(device)
+    ms = bench(lambda: kv_compaction(table, src.view(-1), dst.view(-1)), smoke)
+    moved = 2 * (2 * layers) * B * A * Hkv * D * torch.tensor([], dtype=dtype).element_size()
+    return {"batch": B, "layers": layers, "Hkv": Hkv, "head_dim": D, "accepted": A,
+            "dtype": str(dtype).replace("torch.", ""), "ms": ms, "GBps": moved / (ms * 1e-3) / 1e9}
+
+
+def to_markdown(res) -> str:
+    lines = [f"# Kernel benchmark: {res['device']}", "", f"Command: `{res['command']}`", "",
+             f"Peak HBM bandwidth assumed: {res['peak_hbm_GBps']} GB/s", "",
+             "| heads | B | W | prefix | tree ms | SDPA+mask ms | speedup | KV GB/s | % peak | FA causal ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["tree_attention"]:
+        pk = f"{100 * r['frac_peak_hbm']:.0f}%" if r["frac_peak_hbm"] else "n/a"
+        fa = f"{r['flash_attn_causal_ms']:.3f}" if r["flash_attn_causal_ms"] else "-"
+        lines.append(f"| {r['heads']} | {r['batch']} | {r['width']} | {r['prefix']} | {r['tree_ms']:.3f} | "
+                     f"{r['sdpa_ms']:.3f} | {r['speedup_vs_sdpa']:.2f}x | {r['kv_read_GBps']:.0f} | {pk} | {fa} |")
+    lines += ["", "| compaction: B | layers | ms | GB/s |", "|---|---|---|---|"]
+    for r in res["kv_compaction"]:
+        lines.append(f"| {r['batch']} | {r['layers']} | {r['ms']:.3f} | {r['GBps']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", default="7b,13b", help=f"comma list of {sorted(HEADS)}")
+    p.add_argument("--width", default="8,32,64,128,256", help="tree sizes W")
+    p.add_argument("--prefix", default="512,2048,4096")
+    p.add_argument("--batch", default="1,8,64")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--smoke", action="store_true", help="CPU: two tiny shapes under TRITON_INTERPRET=1")
+    p.add_argument("--name", default=None, help="results name (default kernels_<device>)")
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = p.parse_args(argv)
+    if a.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        device, dtype = "cpu", torch.float32
+        shapes = [("smoke", 2, 5, 20), ("smoke", 1, 8, 0)]
+        dev_name, peak = f"CPU ({platform.processor() or platform.machine()}), Triton interpreter", None
+    else:
+        if not torch.cuda.is_available():
+            print("bench_kernels: no CUDA GPU here; the kernel timings need one (nothing written). "
+                  "On CPU, `TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --smoke` checks the script.",
+                  file=sys.stderr)
+            return 2
+        device, dtype = "cuda", getattr(torch, a.dtype)
+        dev_name = torch.cuda.get_device_name()
+        peak = peak_bandwidth(dev_name)
+        shapes = [(h, B, W, P) for h in a.heads.split(",") for B in map(int, a.batch.split(","))
+                  for W in map(int, a.width.split(",")) for P in map(int, a.prefix.split(","))]
+    from tqdm import tqdm
+
+    rows = []
+    for heads, B, W, P in tqdm(shapes, desc="tree attention", unit="shape"):
+        try:
+            rows.append(run_shape(heads, B, W, P, dtype, device, a.smoke, peak))
+        except torch.OutOfMemoryError:
+            tqdm.write(f"skip {heads} B={B} W={W} P={P}: out of GPU memory (SDPA's dense mask)")
+            torch.cuda.empty_cache()
+    comp = [run_compaction(B, 2 if a.smoke else 32, 2 if a.smoke else 32, 64 if a.smoke else 128, dtype,
+                           device, a.smoke) for B in ([1, 2] if a.smoke else [1, 8, 64])]
+    name = a.name or ("kernels_smoke" if a.smoke else "kernels_" + dev_name.replace(" ", "_").lower())
+    res = {"device": dev_name, "torch": torch.__version__, "peak_hbm_GBps": peak / 1e9 if peak else None,
+           "command": "python " + " ".join(["benchmarks/bench_kernels.py"] + (argv if argv is not None else sys.argv[1:])),
+           "tree_attention": rows, "kv_compaction": comp}
+    os.makedirs(a.out_dir, exist_ok=True)
+    with open(os.path.join(a.out_dir, name + ".json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(a.out_dir, name + ".md"), "w") as f:
+        f.write(to_markdown(res))
+    print(to_markdown(res))
+    bad = [r for r in rows if r["max_abs_err_vs_ref"] > (1e-3 if dtype == torch.float32 else 2e-2)]
+    if bad:
+        print(f"bench_kernels: {len(bad)} shapes differ from the torch reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
