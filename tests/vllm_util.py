@@ -24,7 +24,7 @@ def save_target(model, directory: str) -> str:
 def make_llm(model: str, speculative_config=None, **kw):
     from vllm import LLM
 
-    args = dict(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=8,
+    args = dict(model=str(model), dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=8,
                 disable_log_stats=False, seed=0)
     args.update(kw)
     return LLM(speculative_config=speculative_config, **args)

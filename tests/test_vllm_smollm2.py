@@ -1,0 +1,65 @@
+"""falcon in vLLM on a real model: SmolLM2-135M-Instruct with the drafter shipped for it.
+
+The drafter is found by the resolution rule (no path given: the shipped drafter whose recorded
+target matches).  Greedy outputs must equal vanilla vLLM's at batch 1 and at batch 4 with prompts
+of different lengths (MT-Bench first turns).
+"""
+
+import os
+
+import pytest
+
+from tests.vllm_util import drafter_of, free, make_llm, model_path, spec_counters
+
+from falcon_vllm.models import load_chat_prompts
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "falcon_vllm", "drafters", "smollm2-135m-instruct")
+N = 32
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path())
+    out = []
+    for q in load_chat_prompts("mt-bench", 4):
+        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    assert len({len(p) for p in out}) > 1  # mixed prompt lengths
+    return out
+
+
+def _greedy(llm, prompts):
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=N, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def vanilla(prompts):
+    llm = make_llm(model_path(), None, max_model_len=1024, max_num_seqs=4)
+    try:
+        return _greedy(llm, prompts)
+    finally:
+        free(llm)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_shipped_drafter_greedy_identical(prompts, vanilla, batch):
+    llm = make_llm(model_path(), {"method": "falcon", "num_speculative_tokens": 4},
+                   max_model_len=1024, max_num_seqs=batch)
+    try:
+        sc = llm.llm_engine.vllm_config.speculative_config
+        assert os.path.samefile(sc.draft_model_config.model, SHIPPED)  # resolved to the shipped drafter
+        assert type(drafter_of(llm)).__name__ == "FalconProposer"
+        before = spec_counters(llm)
+        assert _greedy(llm, prompts) == vanilla
+        after = spec_counters(llm)
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        assert drafts > 0 and 0 < accepted <= 4 * drafts
+    finally:
+        free(llm)
