@@ -48,6 +48,15 @@ def peak_bandwidth(name: str) -> float | None:
     return None
 
 
+def copy_bandwidth() -> float:
+    """Measured ceiling: bytes read + written per second by a 1 GiB device-to-device copy."""
+    x = torch.randn(2 ** 28, device="cuda")
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), smoke=False)
+    del x, y
+    return 2 * 2 ** 28 * 4 / (ms * 1e-3)
+
+
 def random_tree_parents(width: int, seed: int) -> torch.Tensor:
     """Parent indices of a random tree of ``width`` slots (slot 0 = root, parents precede children)."""
     g = torch.Generator().manual_seed(seed)
@@ -69,8 +78,10 @@ def make_case(B, W, P, Hq, Hkv, D, dtype, device, block_size=16, seed=0):
     block_table = perm[: B * nblk].view(B, nblk).to(torch.int32) if nblk else torch.zeros(B, 1, dtype=torch.int32)
     T = B * W
 
+    gd = torch.Generator(device=device).manual_seed(seed)  # draw on the device: the caches are GBs
+
     def r(*shape):
-        return torch.randn(*shape, generator=g).to(dtype).to(device)
+        return torch.randn(*shape, generator=gd, device=device).to(dtype)
 
     q, k, v = r(T, Hq, D), r(T, Hkv, D), r(T, Hkv, D)
     kc, vc = r(num_blocks, block_size, Hkv, D), r(num_blocks, block_size, Hkv, D)
@@ -102,15 +113,57 @@ def dense_inputs(case, parents, B, W, P):
     return Q, K, V, mask
 
 
+TIMING = {"graph": True}
+
+
 def bench(fn, smoke: bool) -> float:
-    """Median milliseconds."""
+    """Median milliseconds.  On GPU the call is captured in a CUDA graph and its replays are timed
+    (``--timing graph``, the default): that is how vLLM runs decode steps, and it keeps Python
+    launch overhead (tens of microseconds per Triton launch) out of a kernel that runs for ~10 us."""
     if smoke:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
     import triton
 
+    if TIMING["graph"]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()                     # compile and autotune outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def run_sweep(heads, B, W, P, dtype):
+    """Time every tile configuration on one shape; returns rows sorted fastest first."""
+    from falcon_vllm.kernels.tree_attention import default_config, tree_attention, tree_attention_ref
+
+    Hq, Hkv, D = HEADS[heads]
+    case, _ = make_case(B, W, P, Hq, Hkv, D, dtype, "cuda")
+    ref = tree_attention_ref(**case, scale=D ** -0.5)
+    rep = Hq // Hkv
+    default = default_config(W, rep, D)
+    rows = []
+    for block_m in (16, 32, 64, 128):
+        for splits in (None, 1, 2, 4, 8, 16):
+            for warps in (4, 8):
+                if block_m < rep:
+                    continue
+                cfg = {"block_m": block_m, "num_warps": warps}
+                run = lambda: tree_attention(**case, scale=D ** -0.5, max_query_len=W,  # noqa: E731
+                                             max_prefix_len=P, num_splits=splits, config=cfg)
+                err = float((run().float() - ref.float()).abs().max())
+                rows.append({"heads": heads, "batch": B, "width": W, "prefix": P, "block_m": block_m,
+                             "num_splits": splits if splits else "auto", "num_warps": warps,
+                             "is_default": splits is None and block_m == default["block_m"]
+                             and warps == default["num_warps"], "ms": bench(run, False), "max_abs_err": err})
+    return sorted(rows, key=lambda r: r["ms"])
 
 
 def run_shape(heads, B, W, P, dtype, device, smoke, peak):
@@ -168,15 +221,17 @@ def run_compaction(B, layers, Hkv, D, dtype, device, smoke):
 
 
 def to_markdown(res) -> str:
-    lines = [f"# Kernel benchmark: {res['device']}", "", f"Command: `{res['command']}`", "",
-             f"Peak HBM bandwidth assumed: {res['peak_hbm_GBps']} GB/s", "",
-             "| heads | B | W | prefix | tree ms | SDPA+mask ms | speedup | KV GB/s | % peak | FA causal ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# Kernel benchmark: {res['device']}", "", f"Command: `{res['command']}`", "", f"Timing: median of {res['timing']} (triton.testing.do_bench, L2 flushed)", "",
+             f"Peak HBM bandwidth (datasheet): {res['peak_hbm_GBps']} GB/s; measured 1 GiB device copy "
+             f"(read + write): {res['measured_copy_GBps'] and round(res['measured_copy_GBps'])} GB/s", "",
+             "| heads | B | W | prefix | tree ms | SDPA+mask ms | speedup | KV GB/s | % peak | % copy | FA causal ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["tree_attention"]:
         pk = f"{100 * r['frac_peak_hbm']:.0f}%" if r["frac_peak_hbm"] else "n/a"
+        cp = f"{100 * r['frac_measured_copy_bw']:.0f}%" if r["frac_measured_copy_bw"] else "n/a"
         fa = f"{r['flash_attn_causal_ms']:.3f}" if r["flash_attn_causal_ms"] else "-"
         lines.append(f"| {r['heads']} | {r['batch']} | {r['width']} | {r['prefix']} | {r['tree_ms']:.3f} | "
-                     f"{r['sdpa_ms']:.3f} | {r['speedup_vs_sdpa']:.2f}x | {r['kv_read_GBps']:.0f} | {pk} | {fa} |")
+                     f"{r['sdpa_ms']:.3f} | {r['speedup_vs_sdpa']:.2f}x | {r['kv_read_GBps']:.0f} | {pk} | {cp} | {fa} |")
     lines += ["", "| compaction: B | layers | ms | GB/s |", "|---|---|---|---|"]
     for r in res["kv_compaction"]:
         lines.append(f"| {r['batch']} | {r['layers']} | {r['ms']:.3f} | {r['GBps']:.0f} |")
@@ -191,15 +246,21 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1,8,64")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--smoke", action="store_true", help="CPU: two tiny shapes under TRITON_INTERPRET=1")
+    p.add_argument("--timing", default="graph", choices=["graph", "eager"],
+                   help="GPU: time CUDA-graph replays (default) or eager calls (includes launch overhead)")
+    p.add_argument("--sweep", action="store_true",
+                   help="GPU: time every tile configuration (block_m, splits, warps) per shape instead")
     p.add_argument("--name", default=None, help="results name (default kernels_<device>)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args(argv)
+    TIMING["graph"] = a.timing == "graph"
     if a.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             p.error("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
         device, dtype = "cpu", torch.float32
         shapes = [("smoke", 2, 5, 20), ("smoke", 1, 8, 0)]
         dev_name, peak = f"CPU ({platform.processor() or platform.machine()}), Triton interpreter", None
+        copy_bw = None
     else:
         if not torch.cuda.is_available():
             print("bench_kernels: no CUDA GPU here; the kernel timings need one (nothing written). "
@@ -209,10 +270,27 @@ def main(argv=None) -> int:
         device, dtype = "cuda", getattr(torch, a.dtype)
         dev_name = torch.cuda.get_device_name()
         peak = peak_bandwidth(dev_name)
+        copy_bw = copy_bandwidth()
         shapes = [(h, B, W, P) for h in a.heads.split(",") for B in map(int, a.batch.split(","))
                   for W in map(int, a.width.split(",")) for P in map(int, a.prefix.split(","))]
     from tqdm import tqdm
 
+    if a.sweep and not a.smoke:
+        sweep = [run_sweep(h, B, W, P, dtype) for h, B, W, P in tqdm(shapes, desc="sweep", unit="shape")]
+        name = a.name or "kernels_sweep"
+        os.makedirs(a.out_dir, exist_ok=True)
+        with open(os.path.join(a.out_dir, name + ".json"), "w") as f:
+            json.dump({"device": dev_name, "timing": a.timing, "shapes": sweep}, f, indent=1)
+        lines = [f"# Tile sweep: {dev_name} ({a.timing})", "",
+                 "| heads | B | W | prefix | best ms | block_m | splits | warps | default ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for rows in sweep:
+            b0, d0 = rows[0], next(r for r in rows if r["is_default"])
+            lines.append(f"| {b0['heads']} | {b0['batch']} | {b0['width']} | {b0['prefix']} | {b0['ms']:.4f} | "
+                         f"{b0['block_m']} | {b0['num_splits']} | {b0['num_warps']} | {d0['ms']:.4f} |")
+        with open(os.path.join(a.out_dir, name + ".md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     rows = []
     for heads, B, W, P in tqdm(shapes, desc="tree attention", unit="shape"):
         try:
@@ -220,10 +298,14 @@ def main(argv=None) -> int:
         except torch.OutOfMemoryError:
             tqdm.write(f"skip {heads} B={B} W={W} P={P}: out of GPU memory (SDPA's dense mask)")
             torch.cuda.empty_cache()
+    for r in rows:
+        r["frac_measured_copy_bw"] = r["kv_read_GBps"] * 1e9 / copy_bw if copy_bw else None
     comp = [run_compaction(B, 2 if a.smoke else 32, 2 if a.smoke else 32, 64 if a.smoke else 128, dtype,
                            device, a.smoke) for B in ([1, 2] if a.smoke else [1, 8, 64])]
     name = a.name or ("kernels_smoke" if a.smoke else "kernels_" + dev_name.replace(" ", "_").lower())
     res = {"device": dev_name, "torch": torch.__version__, "peak_hbm_GBps": peak / 1e9 if peak else None,
+           "measured_copy_GBps": copy_bw / 1e9 if copy_bw else None,
+           "timing": "cuda-graph replays" if TIMING["graph"] and not a.smoke else ("eager" if not a.smoke else "interpreter"),
            "command": "python " + " ".join(["benchmarks/bench_kernels.py"] + (argv if argv is not None else sys.argv[1:])),
            "tree_attention": rows, "kv_compaction": comp}
     os.makedirs(a.out_dir, exist_ok=True)

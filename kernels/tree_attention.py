@@ -351,8 +351,10 @@ def _num_sms(device: torch.device) -> int:
 
 def default_config(max_query_len: int, rep: int, head_dim: int) -> dict:
     """Tile sizes: BLOCK_M packed rows (tokens x group heads), BLOCK_N prefix keys per tile."""
+    # Measured on H100 (benchmarks/results/kernels_sweep_*): 64 packed rows per tile beat 128 even
+    # when one tile would hold the whole tree (more programs in flight, fewer registers each).
     rows = triton.next_power_of_2(max(1, max_query_len) * rep)
-    block_m = min(128, max(16, rows, triton.next_power_of_2(rep)))
+    block_m = max(min(64, max(16, rows)), triton.next_power_of_2(rep))
     big = block_m * head_dim >= 128 * 128
     return {"block_m": block_m, "block_n": 64 if head_dim <= 128 else 32,
             "num_warps": 8 if big else 4, "num_stages": 2}
@@ -411,7 +413,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             if max_prefix_len is None:
                 max_prefix_len = int(prefix_lens.max()) if B else 0
-            num_splits = max(1, min(triton.cdiv(2 * sms, base), max_prefix_len // 256, 32))
+            # about two programs per SM, at least 256 prefix keys per split, a power of two
+            # (uneven BLOCK_N-rounded chunks leave the last split short; measured slower)
+            s = max(1, min(2 * sms // base, max_prefix_len // 256, 32))
+            num_splits = 1 << (s.bit_length() - 1)
     # Triton's CPU interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16): there the
     # kernel upcasts its tiles to fp32 first.  On GPU bf16 tiles go to the tensor cores as they are.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"

@@ -20,6 +20,8 @@ from falcon_vllm.kernels.tree_attention import (ancestor_mask_from_parents, batc
 from falcon_vllm.tree import build_tree, DecodingTree  # noqa: E402
 
 torch.set_num_threads(1)
+# The kernels run on the GPU when there is one, else through the interpreter on CPU tensors.
+DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
 
 def _random_tree(n, seed):
@@ -51,11 +53,12 @@ def _case(prefix_lens, trees, Hq, Hkv, D, dtype, bs=16, seed=0):
     kc, vc = r(num_blocks, bs, Hkv, D), r(num_blocks, bs, Hkv, D)
     qsl = torch.tensor([0] + list(torch.tensor(Ws).cumsum(0)), dtype=torch.int32)
     bits = batch_tree_bits(trees)
-    return q, k, v, kc, vc, bt, torch.tensor(prefix_lens, dtype=torch.int32), qsl, bits
+    return tuple(t.to(DEV) for t in (q, k, v, kc, vc, bt, torch.tensor(prefix_lens, dtype=torch.int32), qsl, bits))
 
 
 def _dense(q, k, v, kc, vc, bt, pl, qsl, trees, scale):
-    """Naive dense computation: gather, build the full mask, softmax."""
+    """Naive dense computation on CPU: gather, build the full mask, softmax."""
+    q, k, v, kc, vc, bt, pl, qsl = (t.cpu() for t in (q, k, v, kc, vc, bt, pl, qsl))
     outs = []
     bs = kc.shape[1]
     for b, t in enumerate(trees):
@@ -95,7 +98,7 @@ def test_tree_attention_matches_reference(prefix_lens, trees, Hq, Hkv, D, dtype,
     ref = tree_attention_ref(*args, scale=scale)
     dense = _dense(*args[:-1], trees, scale)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(ref.float(), dense, **tol)
+    torch.testing.assert_close(ref.float().cpu(), dense, **tol)
     out = tree_attention(*args, scale=scale)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
@@ -115,7 +118,7 @@ def test_tree_attention_small_tiles_and_out_buffer():
     trees = [_random_tree(13, 9)]
     args = _case([9], trees, 4, 2, 64, torch.float32, bs=4, seed=4)
     ref = tree_attention_ref(*args, scale=0.125)
-    buf = torch.full_like(args[0], float("nan"))
+    buf = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     out = tree_attention(*args, scale=0.125, out=buf, config={"block_m": 16, "block_n": 16})
     assert out.data_ptr() == buf.data_ptr()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -166,9 +169,9 @@ def test_kv_compaction_overlapping_multi_layer(dtype):
     ref = caches.clone()
     kv_compaction_ref(ref.flatten(0, 1), src, dst)              # stacked planes [6, blocks, bs, H, D]
     assert torch.equal(ref, want)
-    layers = [c.clone() for c in caches]                        # vLLM layer tensors [2, blocks, bs, H, D]
-    kv_compaction(vllm_planes(layers), src, dst)
-    assert torch.equal(torch.stack(layers), want)
+    layers = [c.clone().to(DEV) for c in caches]                # vLLM layer tensors [2, blocks, bs, H, D]
+    kv_compaction(vllm_planes(layers), src.to(DEV), dst.to(DEV))
+    assert torch.equal(torch.stack(layers).cpu(), want)
 
 
 def test_kv_compaction_rows_with_counts():
@@ -180,10 +183,10 @@ def test_kv_compaction_rows_with_counts():
     ref = caches.clone()
     kv_compaction_ref(list(ref.flatten(0, 1).unbind(0)), rows_src, rows_dst, counts)
     assert torch.equal(ref, want)
-    tri = caches.clone()
+    tri = caches.clone().to(DEV)
     table = plane_table(list(tri.flatten(0, 1).unbind(0)))
-    kv_compaction(table, rows_src, rows_dst, counts, block_p=2)   # several chunks per row
-    assert torch.equal(tri, want)
+    kv_compaction(table, rows_src.to(DEV), rows_dst.to(DEV), counts.to(DEV), block_p=2)  # several chunks per row
+    assert torch.equal(tri.cpu(), want)
     with pytest.raises(ValueError, match="counts"):
         kv_compaction_ref(ref.flatten(0, 1), rows_src, rows_dst)
     with pytest.raises(ValueError, match="same shape"):
