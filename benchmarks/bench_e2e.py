@@ -184,6 +184,14 @@ def _has_config(d) -> bool:
     return bool(d) and os.path.isfile(os.path.join(d, "config.json"))
 
 
+def _portable(value):
+    """A setting as it may appear in committed results: no absolute paths of this machine."""
+    if isinstance(value, str) and os.path.isabs(value):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return os.path.relpath(value, root) if value.startswith(root + os.sep) else _short(value)
+    return value
+
+
 def _short(path) -> str | None:
     return os.path.basename(str(path).rstrip("/")) if path else None
 
@@ -507,7 +515,8 @@ def first_mismatch(toks, ref, qs) -> dict | None:
 def write_results(rows: list[dict], skipped: list[dict], args) -> list[str]:
     out_dir, name = args.out_dir, args.name
     os.makedirs(out_dir, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("argv", "argv0")}
+    # paths are shown relative to the project or by their last component: results are committed
+    settings = {k: _portable(v) for k, v in vars(args).items() if k not in ("argv", "argv0")}
     doc = {"rows": rows, "skipped": skipped, "settings": settings,
            "command": rows[0]["command"] if rows else " ".join(args.argv0 + args.argv),
            "machine": rows[0]["machine"] if rows else None}
