@@ -166,19 +166,19 @@ def run_sweep(heads, B, W, P, dtype):
     return sorted(rows, key=lambda r: r["ms"])
 
 
-def run_shape(heads, B, W, P, dtype, device, smoke, peak):
+def run_shape(heads, B, W, P, dtype, device, smoke, peak, config=None):
     from falcon_vllm.kernels.tree_attention import tree_attention, tree_attention_ref
 
     Hq, Hkv, D = HEADS[heads] if not smoke else (4, 2, 64)
     case, parents = make_case(B, W, P, Hq, Hkv, D, dtype, device)
     scale = D ** -0.5
-    out = tree_attention(**case, scale=scale, max_query_len=W, max_prefix_len=P)
+    out = tree_attention(**case, scale=scale, max_query_len=W, max_prefix_len=P, config=config)
     ref = tree_attention_ref(**{k: v for k, v in case.items()}, scale=scale)
     err = float((out.float() - ref.float()).abs().max())
     row = {"heads": heads, "Hq": Hq, "Hkv": Hkv, "head_dim": D, "batch": B, "width": W, "prefix": P,
            "dtype": str(dtype).replace("torch.", ""), "max_abs_err_vs_ref": err}
-    row["tree_ms"] = bench(lambda: tree_attention(**case, scale=scale, max_query_len=W, max_prefix_len=P),
-                           smoke)
+    row["tree_ms"] = bench(lambda: tree_attention(**case, scale=scale, max_query_len=W, max_prefix_len=P,
+                                                  config=config), smoke)
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_bytes = 2 * B * P * Hkv * D * elem
     io_bytes = B * W * (2 * Hq + 2 * Hkv) * D * elem
@@ -248,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU: two tiny shapes under TRITON_INTERPRET=1")
     p.add_argument("--timing", default="graph", choices=["graph", "eager"],
                    help="GPU: time CUDA-graph replays (default) or eager calls (includes launch overhead)")
+    p.add_argument("--config", default=None, help='GPU: tree_attention config override, JSON, e.g. \'{"prefetch": true}\'')
     p.add_argument("--sweep", action="store_true",
                    help="GPU: time every tile configuration (block_m, splits, warps) per shape instead")
     p.add_argument("--name", default=None, help="results name (default kernels_<device>)")
@@ -294,7 +295,8 @@ def main(argv=None) -> int:
     rows = []
     for heads, B, W, P in tqdm(shapes, desc="tree attention", unit="shape"):
         try:
-            rows.append(run_shape(heads, B, W, P, dtype, device, a.smoke, peak))
+            rows.append(run_shape(heads, B, W, P, dtype, device, a.smoke, peak,
+                                  json.loads(a.config) if a.config else None))
         except torch.OutOfMemoryError:
             tqdm.write(f"skip {heads} B={B} W={W} P={P}: out of GPU memory (SDPA's dense mask)")
             torch.cuda.empty_cache()
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
            "measured_copy_GBps": copy_bw / 1e9 if copy_bw else None,
            "timing": "cuda-graph replays" if TIMING["graph"] and not a.smoke else ("eager" if not a.smoke else "interpreter"),
            "command": "python " + " ".join(["benchmarks/bench_kernels.py"] + (argv if argv is not None else sys.argv[1:])),
-           "tree_attention": rows, "kv_compaction": comp}
+           "config": json.loads(a.config) if a.config else None, "tree_attention": rows, "kv_compaction": comp}
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -68,7 +68,8 @@ def find_gguf(name: str) -> Path:
         return out
     parts = []
     for d in dirs:
-        files = sorted(f for f in d.iterdir() if f.is_file() and not f.name.endswith((".py", ".pyc")))
+        # the part sits in the package folder or below it (e.g. data/part01.bin)
+        files = sorted(f for f in d.rglob("*") if f.is_file() and not f.name.endswith((".py", ".pyc")))
         if not files:
             raise FileNotFoundError(f"no GGUF part found in {d}")
         parts.append(max(files, key=lambda f: f.stat().st_size))
