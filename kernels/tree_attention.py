@@ -438,7 +438,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=upcast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
-        block_h = min(16, triton.next_power_of_2(Hq))
+        # heads per combine program; profiled on H100 (benchmarks/results/kernels_profile_h100.txt):
+        # 1 is fastest for few tokens (more programs), 4 for W = 128 at batch 1
+        block_h = min(cfg.get("combine_block_h", 1 if T <= 64 else 4), triton.next_power_of_2(Hq))
         _tree_attn_combine[(T, triton.cdiv(Hq, block_h))](
             pacc, pml, out, pacc.stride(0), pacc.stride(1), pml.stride(0), pml.stride(1),
             out.stride(0), out.stride(1), Hq, D=D, NUM_SPLITS=num_splits,
