@@ -96,6 +96,9 @@ def install() -> None:
     _wrap_create_speculative_config(EngineArgs)
     _wrap_cli(EngineArgs)
     _swap_proposer()
+    from falcon_vllm.vllm import tree_mode
+
+    tree_mode.install()
 
 
 # ---------------------------------------------------------------------- config
@@ -146,8 +149,9 @@ def _wrap_create_speculative_config(EngineArgs):
         hf = spec.draft_model_config.hf_config
         hf.falcon = dict(getattr(hf, "falcon", None) or {}, **info)
         log = init_logger("falcon_vllm")
-        log.info("falcon-vllm: method falcon -> vLLM's EAGLE plumbing with drafter %s (k=%s, K=%d, chain mode)",
-                 spec.draft_model_config.model, hf.falcon.get("k"), spec.num_speculative_tokens)
+        log.info("falcon-vllm: method falcon -> vLLM's EAGLE plumbing with drafter %s (k=%s, K=%d, %s mode%s)",
+                 spec.draft_model_config.model, hf.falcon.get("k"), spec.num_speculative_tokens,
+                 hf.falcon.get("mode"), f", tree {hf.falcon['tree_name']}" if "tree_name" in hf.falcon else "")
         if runner_env is None:  # the Falcon proposer hooks the V1 model runner (the only one on CPU)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             log.info("falcon-vllm: selecting vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")

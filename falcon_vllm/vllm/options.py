@@ -17,7 +17,9 @@ from falcon_vllm.config import FalconConfig
 from falcon_vllm.tree import build_tree
 
 # Falcon-only options, removed before vLLM validates the rest:
-#   tree      a chain preset ("chain-6") or path list; in vLLM only chains run (sets K)
+#   tree      a preset name ("falcon-llama", "chain-6", "tree-4x2x1"), a list of rank paths or a JSON
+#             file (e.g. from `falcon-vllm tune-tree`); sets K = number of nodes.  A chain runs in
+#             chain mode (vLLM's rejection sampler), any other tree in tree mode.
 #   falcon_k  the block size the drafter must have been trained with (a consistency check)
 FALCON_KEYS = {"tree", "falcon_k"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
@@ -26,6 +28,8 @@ INCOMPATIBLE = (
     ("draft_sample_method", ("greedy", None), "Falcon drafts greedily (verification stays lossless)"),
     ("use_heterogeneous_vocab", (False, None), "the drafter shares the target's vocabulary"),
 )
+# vLLM's rejection sampler and its start-up dummy run cap the speculative tokens of a step at 128
+MAX_TREE_NODES = 128
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
@@ -102,18 +106,24 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         raise ValueError(f"falcon: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
+    tree = None
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
-        if not tree.is_chain:
-            raise ValueError(f"falcon: tree {tree_spec!r} is not a chain; inside vLLM falcon runs in chain mode "
-                             "(tree verification runs in the reference engine, falcon_vllm.reference)")
         if n is not None and n != tree.num_nodes:
             raise ValueError(f"falcon: num_speculative_tokens={n} disagrees with tree {tree_spec!r} "
-                             f"({tree.num_nodes} tokens)")
+                             f"({tree.num_nodes} nodes); give one of them")
+        if tree.num_nodes > MAX_TREE_NODES:
+            raise ValueError(f"falcon: tree {tree_spec!r} has {tree.num_nodes} nodes, above the {MAX_TREE_NODES} "
+                             "speculative tokens per step that vLLM 0.32/0.33 schedules; use a smaller tree "
+                             "(e.g. 'falcon-llama', 118 nodes) or fit one with `falcon-vllm tune-tree`")
         n = tree.num_nodes
     if n is None:
         n = 2 * cfg.k
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"falcon: num_speculative_tokens must be an integer >= 1, got {n!r}")
+    if tree is not None and not tree.is_chain:
+        sc.update(method="eagle", model=path, num_speculative_tokens=n)
+        return sc, {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(),
+                    "tree_name": tree.name or "custom"}
     sc.update(method="eagle", model=path, num_speculative_tokens=n)
     return sc, {"mode": "chain", "num_speculative_tokens": n}

@@ -40,6 +40,8 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from falcon_vllm.tree import DecodingTree
+from falcon_vllm.vllm import tree_mode
 from falcon_vllm.vllm.stash import BlockInputStash
 
 logger = init_logger(__name__)
@@ -66,15 +68,26 @@ class FalconProposer(EagleProposer):
         self.k = int(self.falcon["k"]) if self.falcon else 1
         self.steps = 0   # propose() calls that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
+        self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         if not self.falcon:
             return
+        if self.falcon.get("mode") == "tree":
+            self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
+            self.subtrees = tree_mode.SubtreeCache(self.tree)
+            # per-depth acceptance of tree steps: drafts that reached depth d / tree steps
+            self.tree_steps = 0
+            self.tree_accepted_per_depth = [0] * self.tree.max_depth
         if self.uses_mrope:
             raise NotImplementedError("falcon-vllm: targets with M-RoPE positions are not supported")
         self._runner = runner  # its input batch gives the request ids (for the stash)
         self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
                                       ids_dtype=self.input_ids.dtype)
-        logger.info("falcon-vllm: Falcon proposer active (k=%d, K=%d -> %d drafter passes per step)",
-                    self.k, self.num_speculative_tokens, math.ceil(self.num_speculative_tokens / self.k))
+        if self.tree is not None:
+            logger.info("falcon-vllm: Falcon proposer active in tree mode: %r (%d drafter passes per step)",
+                        self.tree, self.tree.num_passes)
+        else:
+            logger.info("falcon-vllm: Falcon proposer active (k=%d, K=%d -> %d drafter passes per step)",
+                        self.k, self.num_speculative_tokens, math.ceil(self.num_speculative_tokens / self.k))
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -115,6 +128,8 @@ class FalconProposer(EagleProposer):
 
         # pass 1: the relaxed block -> draft tokens 1..k
         rows = self._block_pass(cad, ids, feats, positions, writes=known, extra_len=0)  # [B, k, H]
+        if self.tree is not None:
+            return self._draft_tree(cad, rows, positions, K)
         drafted = [self._argmax(rows)]
         # passes 2..: one k-token block per request on top of the previous one
         next_pos = positions[:, -1:] + 1 + torch.arange(k, device=positions.device)[None]  # [B, k]
@@ -124,6 +139,78 @@ class FalconProposer(EagleProposer):
         if self.steps == 1:
             logger.info("falcon-vllm: drafted K=%d tokens in %d drafter passes (k=%d)", K, len(drafted), k)
         return torch.cat(drafted, dim=1)[:, :K].to(torch.int64)
+
+    # ------------------------------------------------------------------ tree mode
+    def _draft_tree(self, cad, rows: torch.Tensor, positions: torch.Tensor, K: int) -> torch.Tensor:
+        """The SAR tree passes after the relaxed block; returns the node tokens [B, K].
+
+        ``K`` may be below the tree size (vLLM's dynamic speculation); the first K nodes (in slot
+        order, parents first) form a valid tree and only the passes it needs are run.
+        """
+        tree = self.subtrees.get(K)
+        B, k, H = rows.shape
+        topk, src = tree.topk, tree.node_source.to(rows.device)
+        tables = [self._topk(rows, topk)]            # [B, rows, topk] per pass
+        outs = [rows]
+        nodes = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=rows.device)
+        prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
+        attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k)
+        chains: list[torch.Tensor] = []
+        for p, plan in enumerate(tree.passes[1:], start=1):
+            sel = src[:, 0] == p - 1
+            nodes[:, sel] = tables[p - 1][:, src[sel, 1], src[sel, 2]]
+            nb = plan.num_blocks
+            in_ids = nodes[:, plan.input_slots.to(rows.device) - 1]                 # [B, nb, k]
+            in_feats = outs[p - 1][:, plan.feature_rows.to(rows.device)]           # [B, nb, k, H]
+            pos = (prefix[:, None, None] + k * (p - 1) + torch.arange(k, device=rows.device)).expand(B, nb, k)
+            parent = plan.parent_block[:, None]
+            chain = torch.cat([chains[-1][plan.parent_block], parent], 1) if chains else parent[:, :0]
+            attn.begin_pass(chain)
+            out = self._tree_block_pass(attn, in_ids.reshape(B * nb, k), in_feats.reshape(B * nb, k, H),
+                                        pos.reshape(B * nb, k))
+            chains.append(chain)
+            flat = out.view(B, nb * k, H)
+            outs.append(flat)
+            tables.append(self._topk(flat, topk))
+        sel = src[:, 0] == tree.num_passes - 1
+        nodes[:, sel] = tables[-1][:, src[sel, 1], src[sel, 2]]
+        if self.steps == 1:
+            logger.info("falcon-vllm: drafted a %d-node tree in %d drafter passes (k=%d)", tree.num_nodes,
+                        tree.num_passes, k)
+        return nodes
+
+    def _tree_block_pass(self, attn, ids, feats, positions) -> torch.Tensor:
+        """One drafter pass over tree blocks [NB, k]; attention by ``attn`` (no paged-cache writes)."""
+        NB, k = ids.shape
+        n = NB * k
+        flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
+        self.input_ids[:n] = ids.reshape(-1).to(self.input_ids.dtype)
+        self.positions[:n] = flat_pos.to(self.positions.dtype)
+        self.hidden_states[:n] = feats.reshape(n, -1)
+        per_layer = {name: None for name in self._draft_attn_layer_names}
+        tree_mode.CTX.draft = attn
+        try:
+            with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
+                                     cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
+                out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
+                                    hidden_states=self.hidden_states[:n])
+        finally:
+            tree_mode.CTX.draft = None
+        self.passes += 1
+        return out[:n].view(NB, k, -1)
+
+    def _topk(self, rows: torch.Tensor, topk: int) -> torch.Tensor:
+        """rows [B, R, H] -> the drafter's top candidates [B, R, topk] (rank order)."""
+        B, R, H = rows.shape
+        return self.model.compute_logits(rows.reshape(B * R, H)).topk(topk, dim=-1).indices.view(B, R, topk)
+
+    def record_tree_step(self, widths, paths: dict[int, list[int]]) -> None:
+        """Per-depth acceptance of a verified tree step (called by the tree sampler)."""
+        for r, w in enumerate(widths):
+            if w > 0:
+                self.tree_steps += 1
+                for d in range(len(paths.get(r, ()))):
+                    self.tree_accepted_per_depth[d] += 1
 
     # ------------------------------------------------------------------ pieces
     def _relaxed_block_inputs(self, cad, last: torch.Tensor, B: int):

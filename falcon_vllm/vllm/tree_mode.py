@@ -1,0 +1,428 @@
+"""Tree mode inside vLLM's V1 model runner: the decoding tree verified in one target pass.
+
+A step of tree mode looks like this (the proposer side is in :mod:`falcon_vllm.vllm.proposer`):
+
+1. The Falcon proposer drafts the tree's N node tokens per request; vLLM schedules them as the
+   request's N speculative tokens, so the target runs ``[root] + nodes`` (1 + N tokens, written to
+   consecutive KV slots as for a chain).
+2. ``_prepare_inputs`` (wrapped): the positions of the node tokens are rewritten to
+   ``root position + depth``, and the tree-attention context is armed for this forward.
+3. Target attention (the backend's ``forward``, wrapped): rows of tree requests are recomputed
+   over the paged prefix plus the in-flight tokens under the ancestor mask
+   (``kernels/tree_attention.py``: the Triton kernel on CUDA, its torch reference on CPU).
+4. ``_sample`` (wrapped): the tree sampler (greedy or lossless recursive rejection sampling from
+   :mod:`falcon_vllm.verify`) replaces vLLM's chain rejection sampler.  It emits the accepted
+   path's tokens + the bonus token in vLLM's output format.
+5. Compaction: the accepted nodes' target K/V are copied into the slots right after the root, and
+   the runner's per-token buffers (input ids, positions, target hidden states) are reordered the
+   same way.  From here on the step is indistinguishable from a chain step that accepted ``a``
+   tokens: vLLM's rollback (``num_computed -= N - a``), prefix caching, metrics and the drafter's
+   next chunk pass (which rewrites the drafter's K/V for the accepted positions) all stay correct.
+
+The drafter's SAR tree passes attend to the drafter's paged prefix, their ancestor blocks and
+themselves; their K/V live only for the step (:class:`DraftTreeAttention`), never in the paged
+cache.
+
+All hooks check ``runner.drafter.tree``; runners without a Falcon tree are untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from falcon_vllm.kernels.tree_attention import pack_tree_mask, tree_attention_ref
+from falcon_vllm.tree import DecodingTree
+from falcon_vllm.verify import greedy_verify, probs_from_logits, sample_verify
+
+logger = init_logger(__name__)
+
+
+# ---------------------------------------------------------------------------- paged KV layouts
+def kv_layout(impl, layer=None) -> str:
+    """The paged layout of a layer's KV cache: ``cpu`` (CPU_ATTN, vec ISAs) or ``flash`` (NHD)."""
+    name = type(impl).__name__
+    if name.startswith("CPUAttention"):
+        isa = getattr(layer, "isa", "vec")
+        if isa not in ("vec", "vec16"):
+            raise NotImplementedError(f"falcon tree mode: the CPU attention ISA {isa!r} packs its KV cache in a "
+                                      "layout tree mode cannot read (supported: vec, vec16; use float32/float16)")
+        return "cpu"
+    if name.startswith("FlashAttention"):
+        return "flash"
+    raise NotImplementedError(f"falcon tree mode: attention backend {name} is not supported "
+                              "(supported: CPU_ATTN on CPU, FLASH_ATTN on CUDA)")
+
+
+def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's KV cache -> (key_cache, value_cache) as [num_blocks, block_size, Hkv, D] views."""
+    if layout == "cpu":
+        # CPU_ATTN (vec ISAs): per (block, kv head) bs*D key values stored [D, bs] (transposed),
+        # then bs*D values stored [bs, D]
+        nb, hkv, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        flat = kv_cache.view(nb, hkv, bs * d2)
+        keys = flat[:, :, : bs * d].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
+        vals = flat[:, :, bs * d:].unflatten(2, (bs, d)).permute(0, 2, 1, 3)
+        return keys, vals
+    return kv_cache[0], kv_cache[1]  # flash: [2, nb, bs, Hkv, D]
+
+
+def copy_kv_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of flat slots ``src`` into slots ``dst`` (all heads) of one layer's cache."""
+    kc, vc = paged_kv(kv_cache, layout)
+    bs = kc.shape[1]
+    sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+    for c in (kc, vc):
+        c[db, do] = c[sb, so]  # the right side is gathered before the write
+
+
+def _attn_fn(q: torch.Tensor):
+    if q.is_cuda:
+        try:
+            from falcon_vllm.kernels.tree_attention import tree_attention
+            return tree_attention
+        except ImportError:  # triton missing: the torch path is still exact
+            pass
+    return tree_attention_ref
+
+
+# ---------------------------------------------------------------------------- attention contexts
+class VerifyTreeAttention:
+    """Target forward of a tree step: recompute the tree requests' rows under the ancestor mask."""
+
+    def __init__(self, rows, req_idx, qsl, bits, device):
+        self.rows = torch.as_tensor(rows, dtype=torch.long, device=device)        # token rows (root first)
+        self.req_idx = torch.as_tensor(req_idx, dtype=torch.long, device=device)  # request of each tree
+        self.qlens = torch.as_tensor(np.diff(qsl), dtype=torch.int32, device=device)
+        self.qsl = torch.as_tensor(qsl, dtype=torch.int32, device=device)
+        self.bits = bits.to(device)
+        self.max_w = int(np.diff(qsl).max())
+
+    def attend(self, impl, layer, q, k, v, kv_cache, md, output):
+        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
+        H, D = q.shape[1], q.shape[2]
+        prefix = (md.seq_lens[self.req_idx] - self.qlens).to(torch.int32)
+        res = _attn_fn(q)(q[self.rows], k[self.rows], v[self.rows], kc, vc,
+                          md.block_table[self.req_idx], prefix, self.qsl, self.bits, impl.scale,
+                          max_query_len=self.max_w)
+        output.view(-1, H, D)[self.rows] = res.to(output.dtype)
+
+
+class DraftTreeAttention:
+    """The drafter's SAR tree passes of one step.
+
+    Block j of request r in pass t sees the drafter's paged prefix of r (``prefix_lens[r]``
+    positions), the K/V of its ancestor blocks from the earlier tree passes of this step (kept
+    here, never written to the paged cache), and its own k tokens (non-causal).
+    """
+
+    def __init__(self, block_table: torch.Tensor, prefix_lens: torch.Tensor, k: int):
+        self.block_table = block_table
+        self.prefix_lens = prefix_lens.tolist()
+        self.B, self.k = block_table.shape[0], k
+        self.store: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.chain: torch.Tensor | None = None  # [nb, passes so far] ancestor block per earlier pass
+        self._prefix: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin_pass(self, chain: torch.Tensor) -> None:
+        self.chain = chain.tolist()
+        self.nb = chain.shape[0]
+
+    def attend(self, impl, layer, q, key, value, kv_cache, output):
+        name = layer.layer_name
+        B, nb, k = self.B, self.nb, self.k
+        n = B * nb * k
+        H, D, hkv = q.shape[1], q.shape[2], key.shape[1]
+        own_k = key[:n].reshape(B, nb, k, hkv, D)
+        own_v = value[:n].reshape(B, nb, k, hkv, D)
+        hist = self.store.setdefault(name, [])
+        out = output.view(-1, H, D)
+        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
+        bs = kc.shape[1]
+        for r in range(B):
+            pk, pv = self._prefix.get((name, r), (None, None))
+            if pk is None:
+                P = self.prefix_lens[r]
+                blocks = self.block_table[r, :(P + bs - 1) // bs].long()
+                pk = kc[blocks].reshape(-1, hkv, D)[:P]
+                pv = vc[blocks].reshape(-1, hkv, D)[:P]
+                self._prefix[(name, r)] = (pk, pv)
+            for j in range(nb):
+                anc = self.chain[j]
+                ks = [pk] + [hist[t][0][r, anc[t]] for t in range(len(hist))] + [own_k[r, j]]
+                vs = [pv] + [hist[t][1][r, anc[t]] for t in range(len(hist))] + [own_v[r, j]]
+                rows = slice((r * nb + j) * k, (r * nb + j + 1) * k)
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q[rows].float().transpose(0, 1), torch.cat(ks).float().transpose(0, 1),
+                    torch.cat(vs).float().transpose(0, 1), scale=impl.scale, enable_gqa=H != hkv)
+                out[rows] = o.transpose(0, 1).to(out.dtype)
+        hist.append((own_k.clone(), own_v.clone()))
+        return output
+
+
+class _Ctx:
+    verify: VerifyTreeAttention | None = None
+    draft: DraftTreeAttention | None = None
+
+
+CTX = _Ctx()
+
+
+def _wrap_attention_impl(cls) -> None:
+    orig = cls.forward
+    if getattr(orig, "_falcon", False):
+        return
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
+        if CTX.draft is not None:
+            return CTX.draft.attend(self, layer, query, key, value, kv_cache, output)
+        result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if CTX.verify is not None and attn_metadata is not None:
+            CTX.verify.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        return result
+
+    forward._falcon = True
+    cls.forward = forward
+
+
+# ---------------------------------------------------------------------------- runner hooks
+@dataclass
+class TreeStep:
+    """What the sampler needs from ``_prepare_inputs`` of a tree step."""
+
+    root_rows: np.ndarray       # [num_reqs] token row of each request's root (-1: no tree)
+    widths: np.ndarray          # [num_reqs] tree nodes scheduled (0: no tree)
+    slot_mapping: torch.Tensor  # [num_tokens] KV slot of every scheduled token (sequential)
+
+
+class SubtreeCache:
+    """The first W nodes of a tree (a valid tree: parents precede children) and its tensors."""
+
+    def __init__(self, tree: DecodingTree):
+        self.tree = tree
+        self._sub: dict[int, DecodingTree] = {}
+        self._bits: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, w: int) -> DecodingTree:
+        if w >= self.tree.num_nodes:
+            return self.tree
+        if w not in self._sub:
+            self._sub[w] = DecodingTree(self.tree.to_list()[:w], self.tree.k, f"{self.tree.name}[:{w}]")
+        return self._sub[w]
+
+    def bits(self, w: int, words: int) -> torch.Tensor:
+        key = (w, words)
+        if key not in self._bits:
+            self._bits[key] = pack_tree_mask(self.get(w).ancestor_mask, words)
+        return self._bits[key]
+
+
+def _tree_drafter(runner):
+    d = getattr(runner, "drafter", None)
+    return d if getattr(d, "tree", None) is not None else None
+
+
+def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
+    widths = np.asarray(md.num_draft_tokens, dtype=np.int64)
+    n_sched = np.asarray(num_scheduled_tokens[: len(widths)], dtype=np.int64)
+    cu = np.cumsum(n_sched)
+    root_rows = np.where(widths > 0, cu - widths - 1, -1)
+    total = int(cu[-1])
+    dev = runner.positions.device
+    trees = [int(i) for i in np.nonzero(widths)[0]]
+    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total].clone()
+    if trees:
+        # positions of node tokens: root position + depth (their KV slots stay consecutive)
+        rows, roots, depth = [], [], []
+        for r in trees:
+            w = int(widths[r])
+            rows.append(root_rows[r] + 1 + np.arange(w))
+            roots.append(np.full(w, root_rows[r]))
+            depth.append(drafter.subtrees.get(w).depth[1:].numpy())
+        rows_t = torch.from_numpy(np.concatenate(rows)).to(dev)
+        roots_t = torch.from_numpy(np.concatenate(roots)).to(dev)
+        runner.positions[rows_t] = runner.positions[roots_t] + torch.from_numpy(np.concatenate(depth)).to(
+            dev, runner.positions.dtype)
+        # the attention context of this forward: tree requests, root first
+        qlens = widths[trees] + 1
+        qsl = np.concatenate([[0], np.cumsum(qlens)])
+        words = (int(qlens.max()) + 31) // 32
+        bits = torch.cat([drafter.subtrees.bits(int(widths[r]), words) for r in trees])
+        all_rows = np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
+        CTX.verify = VerifyTreeAttention(all_rows, trees, qsl, bits, dev)
+    return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping)
+
+
+def _target_kv_caches(runner, drafter) -> list[tuple[torch.Tensor, str]]:
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    draft = set(getattr(drafter, "_draft_attn_layer_names", ()) or ())
+    out = []
+    for name, layer in ctx.items():
+        if name in draft or not hasattr(layer, "kv_cache") or not hasattr(layer, "impl"):
+            continue
+        kv = layer.kv_cache
+        if isinstance(kv, (list, tuple)):
+            kv = kv[0]
+        if isinstance(kv, torch.Tensor) and kv.numel():
+            out.append((kv, kv_layout(layer.impl, layer)))
+    return out
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)
+
+
+def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
+    """Verify each request's tree, compact the accepted path, return vLLM's ``SamplerOutput``."""
+    from vllm.v1.outputs import SamplerOutput
+
+    sm = runner.input_batch.sampling_metadata
+    widths = step.widths
+    B = len(widths)
+    dev = logits.device
+    cu_s = np.cumsum(widths + 1)
+    cu_d = np.cumsum(widths)
+    out = torch.full((B, int(widths.max()) + 1), -1, dtype=torch.int32, device=dev)
+    draft = md.draft_token_ids.long()
+    if sm.max_num_logprobs is not None:
+        _warn_once("logprobs", "falcon tree mode does not return logprobs yet; requests asking for them get none")
+    if not sm.no_penalties or sm.bad_words_token_ids or getattr(sm, "allowed_token_ids_mask", None) is not None:
+        _warn_once("procs", "falcon tree mode samples from temperature/top-k/top-p only: penalties, bad words "
+                   "and allowed-token lists are not applied to tree steps")
+    temp = None if sm.all_greedy or sm.temperature is None else sm.temperature
+    gens = sm.generators or {}
+    paths: dict[int, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
+    for r in range(B):
+        groups.setdefault((int(widths[r]), r if r in gens else -1), []).append(r)
+    for (w, seeded), reqs in groups.items():
+        idx = torch.tensor(reqs, dtype=torch.long, device=dev)
+        starts = torch.from_numpy(cu_s[reqs] - w - 1).to(dev)
+        lg = logits[starts[:, None] + torch.arange(w + 1, device=dev)].float()   # [G, 1+w, V]
+        gen = gens.get(seeded)
+        t = None if temp is None else temp[idx]
+        tk = None if sm.top_k is None else sm.top_k[idx]
+        tp = None if sm.top_p is None else sm.top_p[idx]
+        if w == 0:  # no tree (e.g. the drafter did not run): plain sampling of one token
+            if t is None:
+                tok = lg[:, 0].argmax(-1)
+            else:
+                p = probs_from_logits(lg[:, 0], t, tk, tp)
+                tok = torch.multinomial(p, 1, generator=gen)[:, 0]
+            out[idx, 0] = tok.to(torch.int32)
+            continue
+        dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)
+        nodes = draft[dstart[:, None] + torch.arange(w, device=dev)]                # [G, w]
+        sub = drafter.subtrees.get(w)
+        if t is None:
+            res = greedy_verify(sub, nodes, lg)
+        else:
+            res = sample_verify(sub, nodes, lg, t, tk, tp, generator=gen)
+        toks = res.output_token_ids(nodes, width=w + 1).to(dev, torch.int32)
+        out[idx, : w + 1] = toks
+        for i, r in enumerate(reqs):
+            if res.accepted_slots[i]:
+                paths[r] = res.accepted_slots[i]
+    if paths:
+        _compact(runner, drafter, step, paths)
+    drafter.record_tree_step(widths, paths)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+
+def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> None:
+    """Move the accepted nodes' K/V and per-token buffers next to the root (path order)."""
+    src, dst = [], []
+    for r, path in paths.items():
+        root = int(step.root_rows[r])
+        src += [root + s for s in path]
+        dst += [root + 1 + i for i in range(len(path))]
+    dev = runner.positions.device
+    src_t = torch.tensor(src, dtype=torch.long, device=dev)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
+    moved = src_t != dst_t
+    if not bool(moved.any()):
+        return
+    src_t, dst_t = src_t[moved], dst_t[moved]
+    slots_src = step.slot_mapping[src_t].long()
+    slots_dst = step.slot_mapping[dst_t].long()
+    for kv, layout in _target_kv_caches(runner, drafter):
+        copy_kv_slots(kv, layout, slots_src, slots_dst)
+    ids = runner.input_ids.gpu
+    ids[dst_t] = ids[src_t]
+    runner.positions[dst_t] = runner.positions[src_t]
+    hidden = getattr(runner, "_falcon_hidden_states", None)
+    if hidden is not None:
+        hidden[dst_t] = hidden[src_t]
+
+
+def install_runner_hooks() -> None:
+    """Wrap the V1 runner's ``_prepare_inputs``, ``sample_tokens`` and ``_sample`` (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner._sample, "_falcon", False):
+        return
+    orig_prepare, orig_sample, orig_sample_tokens = (GPUModelRunner._prepare_inputs, GPUModelRunner._sample,
+                                                     GPUModelRunner.sample_tokens)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        res = orig_prepare(self, scheduler_output, num_scheduled_tokens)
+        CTX.verify = None
+        self._falcon_tree_step = None
+        drafter = _tree_drafter(self)
+        if drafter is not None and res[1] is not None:
+            self._falcon_tree_step = _begin_tree_step(self, drafter, res[1], num_scheduled_tokens)
+        return res
+
+    def sample_tokens(self, grammar_output):
+        state = getattr(self, "execute_model_state", None)
+        # the target hidden states of this step (reordered in place by the compaction)
+        self._falcon_hidden_states = state[4] if state is not None and _tree_drafter(self) is not None else None
+        try:
+            return orig_sample_tokens(self, grammar_output)
+        finally:
+            self._falcon_hidden_states = None
+
+    def _sample(self, logits, spec_decode_metadata):
+        CTX.verify = None  # the target forward of this step is over
+        step, self._falcon_tree_step = getattr(self, "_falcon_tree_step", None), None
+        drafter = _tree_drafter(self)
+        if step is None or drafter is None or spec_decode_metadata is None:
+            return orig_sample(self, logits, spec_decode_metadata)
+        self.input_batch.update_async_output_token_ids()
+        return tree_sample(self, drafter, step, logits, spec_decode_metadata)
+
+    for f in (_prepare_inputs, sample_tokens, _sample):
+        f._falcon = True
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.sample_tokens = sample_tokens
+    GPUModelRunner._sample = _sample
+
+
+def install_attention_hooks() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    _wrap_attention_impl(CPUAttentionBackendImpl)
+    try:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+    except Exception:  # not importable on CPU builds
+        return
+    _wrap_attention_impl(FlashAttentionImpl)
+
+
+def install() -> None:
+    install_runner_hooks()
+    install_attention_hooks()
+
+
+def num_words(width: int) -> int:
+    return max(1, math.ceil(width / 32))
