@@ -28,8 +28,10 @@ INCOMPATIBLE = (
     ("draft_sample_method", ("greedy", None), "Falcon drafts greedily (verification stays lossless)"),
     ("use_heterogeneous_vocab", (False, None), "the drafter shares the target's vocabulary"),
 )
-# vLLM's rejection sampler and its start-up dummy run cap the speculative tokens of a step at 128
-MAX_TREE_NODES = 128
+# chain mode verifies with vLLM's rejection sampler, which caps a step at 128 speculative tokens;
+# tree mode has its own sampler and verifies trees up to MAX_TREE_NODES nodes per request
+MAX_CHAIN_TOKENS = 128
+MAX_TREE_NODES = 512
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
@@ -113,14 +115,17 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
             raise ValueError(f"falcon: num_speculative_tokens={n} disagrees with tree {tree_spec!r} "
                              f"({tree.num_nodes} nodes); give one of them")
         if tree.num_nodes > MAX_TREE_NODES:
-            raise ValueError(f"falcon: tree {tree_spec!r} has {tree.num_nodes} nodes, above the {MAX_TREE_NODES} "
-                             "speculative tokens per step that vLLM 0.32/0.33 schedules; use a smaller tree "
-                             "(e.g. 'falcon-llama', 118 nodes) or fit one with `falcon-vllm tune-tree`")
+            raise ValueError(f"falcon: tree {tree_spec!r} has {tree.num_nodes} nodes; tree mode verifies at most "
+                             f"{MAX_TREE_NODES} per request and step. Use a smaller tree (e.g. 'falcon-llama', 118 "
+                             "nodes) or fit one with `falcon-vllm tune-tree`")
         n = tree.num_nodes
     if n is None:
         n = 2 * cfg.k
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"falcon: num_speculative_tokens must be an integer >= 1, got {n!r}")
+    if (tree is None or tree.is_chain) and n > MAX_CHAIN_TOKENS:
+        raise ValueError(f"falcon: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that vLLM's "
+                         "rejection sampler verifies per step; use a shorter chain or a tree")
     if tree is not None and not tree.is_chain:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
         return sc, {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(),

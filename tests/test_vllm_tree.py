@@ -1,0 +1,316 @@
+"""falcon in vLLM, tree mode (CPU, in-process engine, eager, fp32).
+
+Targets as in test_vllm_chain.py: ``rnd`` (a random tiny Llama: attention matters, so a wrong
+mask, position or compaction changes the output) and ``inc`` (the sharpened increment model with
+exact drafters).  One engine lives at a time; each is built once per module.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from tests.vllm_util import drafter_of, free, make_llm, save_target, spec_counters
+
+from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
+from falcon_vllm.tree import build_tree
+from falcon_vllm.tune_tree import best_tree
+
+V = 49152
+SHARP = 1000.0
+PROMPTS = [[11, 12, 13], list(range(200, 237)), [5] * 9, list(range(1000, 1020)), [7, 8],
+           list(range(3000, 3050)), [42] * 4, list(range(500, 517))]                     # 8 mixed lengths
+
+
+def _tuned_tree() -> list[list[int]]:
+    """A tree fitted by tune-tree's optimiser to a synthetic rank profile (40 nodes)."""
+    rng = random.Random(0)
+    profiles = [tuple(min(3, int(rng.expovariate(1.5))) for _ in range(rng.randint(0, 7))) for _ in range(400)]
+    return best_tree(profiles, 40)[0]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tree")
+    rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
+    save_target(rnd, str(base / "rnd"))
+    random_drafter(rnd, k=2, fusion="lstm").save_pretrained(str(base / "rnd_k2"))
+    random_drafter(rnd, k=3, fusion="fc", num_layers=2, seed=4).save_pretrained(str(base / "rnd_k3"))
+    inc = increment_llama(vocab=V, hidden=128, heads=2, kv_heads=1)
+    with torch.no_grad():
+        inc.lm_head.weight.mul_(SHARP)
+    save_target(inc, str(base / "inc"))
+    exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
+    return {"dir": base, "rnd": rnd, "inc": inc}
+
+
+class Engines:
+    def __init__(self, base):
+        self.base, self.name, self.llm = base, None, None
+        spec = lambda model, tree: {"method": "falcon", "model": str(base / model), "tree": tree}  # noqa: E731
+        self.specs = {
+            "vanilla": ("rnd", None, {}),
+            "llama": ("rnd", spec("rnd_k2", "falcon-llama"), {}),
+            "vicuna": ("rnd", spec("rnd_k2", "falcon-vicuna"), {}),
+            "tuned_k3": ("rnd", spec("rnd_k3", _tuned_tree()), {}),
+            "oracle": ("rnd", spec("rnd_k2", "falcon-llama"), {"enable_prefix_caching": True, "block_size": 32}),
+            "small_kv": ("rnd", spec("rnd_k2", "tree-3x2x2x1"), {"num_gpu_blocks_override": 8, "block_size": 32, "max_model_len": 192,
+                                                                  "max_num_seqs": 4}),
+            "exact": ("inc", spec("exact_k2", "tree-3x2x1x1x1x1"), {"per_request_spec_decode_metrics": "detailed"}),
+        }
+
+    def get(self, name):
+        if self.name != name:
+            self.close()
+            target, spec, kw = self.specs[name]
+            self.llm = make_llm(str(self.base / target), spec, **kw)
+            self.name = name
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            free(self.llm)
+            self.llm, self.name = None, None
+
+
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    e = Engines(ckpts["dir"])
+    yield e
+    e.close()
+
+
+def _greedy(llm, prompts, n=40):
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+def _delta(after, before):
+    return {k: (list(map(lambda a, b: a - b, after[k], before[k] + [0] * (len(after[k]) - len(before[k]))))
+                if isinstance(after[k], list) else after[k] - before[k]) for k in after}
+
+
+def test_vanilla_reference(engines, ckpts):
+    llm = engines.get("vanilla")
+    ckpts["vanilla"] = {tuple(p): t for p, t in zip(PROMPTS, _greedy(llm, PROMPTS, n=64)[0])}
+
+
+@pytest.mark.parametrize("name,nodes", [("llama", 118), ("vicuna", 165), ("tuned_k3", 40)])
+def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes):
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get(name)
+    prop = drafter_of(llm)
+    assert prop.tree is not None and prop.tree.num_nodes == nodes
+    before = spec_counters(llm)
+    for p in PROMPTS[:2]:                                                   # batch 1
+        assert _greedy(llm, [p])[0][0] == ref[tuple(p)][:40], p
+    got, _ = _greedy(llm, PROMPTS)                                          # batch 8, mixed lengths
+    assert got == [ref[tuple(p)][:40] for p in PROMPTS]
+    d = _delta(spec_counters(llm), before)
+    assert d["num_drafts"] > 0 and d["num_draft_tokens"] == nodes * d["num_drafts"]
+    assert prop.passes == prop.steps * prop.tree.num_passes                # counted per step
+
+
+def test_tree_drafts_match_reference_engine(engines, ckpts):
+    """vLLM's SAR tree drafting (paged prefix + step-local ancestor blocks) equals the reference engine's."""
+    from falcon_vllm.drafter import FalconDrafter
+    from falcon_vllm.reference import FalconReferenceEngine
+
+    llm = engines.get("llama")
+    prop = drafter_of(llm)
+    log, orig = [], prop.propose
+
+    def propose(*a, **kw):
+        out = orig(*a, **kw)
+        log.append(out.tolist())
+        return out
+
+    prop.propose = propose
+    try:
+        p = PROMPTS[1]
+        tokens, _ = _greedy(llm, [p], n=16)
+    finally:
+        del prop.propose
+    drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_k2"))
+    eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree="falcon-llama")
+    ref_drafts, draft = [], eng._draft
+
+    def record(*a, **kw):
+        out = draft(*a, **kw)
+        ref_drafts.append(out.tolist())
+        return out
+
+    eng._draft = record
+    assert eng.generate(p, max_new_tokens=16).tokens == tokens[0]
+    ours = [step[0] for step in log]
+    n = min(len(ours), len(ref_drafts)) - 1
+    assert n >= 10 and ours[:n] == ref_drafts[:n]
+
+
+def _oracle(prop, truth: dict, path):
+    """Make the proposer put the target's true continuation on tree path ``path`` (wrong tokens elsewhere)."""
+    orig = prop._draft_tree
+    batch = prop._runner.input_batch
+    slots = [prop.tree.slot_of(path[:d]) for d in range(1, len(path) + 1)]
+
+    def draft_tree(cad, rows, positions, K):
+        out = orig(cad, rows, positions, K)
+        for i in range(out.shape[0]):
+            seq = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])].tolist()
+            full = next((f for f in truth.values() if f[: len(seq)] == seq), None)
+            if full is None:
+                continue
+            root = int(positions[i, -1]) + 1                                 # index of the pending token
+            out[i] = (full[root] + 2 + torch.arange(out.shape[1])) % V      # never the target's argmax
+            for s, t in zip(slots, full[root + 1: root + 1 + len(slots)]):
+                out[i, s - 1] = t
+        return out
+
+    prop._draft_tree = draft_tree
+
+
+def test_compaction_with_accepted_off_consecutive_paths(engines, ckpts):
+    """Drafts that are right along the rank-1 path ([1], [1,0], ...): accepted nodes are never in
+    consecutive slots, so every step compacts the target K/V.  On a random target any wrong K/V,
+    position or mask changes the output; the prefix cache must hold exactly a fresh prefill's K/V."""
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get("oracle")
+    prop = drafter_of(llm)
+    truth = {tuple(p): list(p) + ref[tuple(p)] for p in PROMPTS}
+    _oracle(prop, truth, [1] + [0] * 7)
+    before = spec_counters(llm)
+    try:
+        got, _ = _greedy(llm, PROMPTS, n=56)
+    finally:
+        del prop._draft_tree
+    assert got == [ref[tuple(p)][:56] for p in PROMPTS]
+    d = _delta(spec_counters(llm), before)
+    assert d["num_accepted_tokens"] / d["num_drafts"] > 5                     # deep paths were accepted
+    # resubmit prompt + output: the full blocks come from the prefix cache written by tree steps
+    seqs = [list(p) + ref[tuple(p)][:56] for p in PROMPTS[1:2] + PROMPTS[5:6]]
+    hits0 = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"}
+    again, _ = _greedy(llm, [s[:-8] for s in seqs], n=8)
+    hits1 = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"}
+    assert again == [s[-8:] for s in seqs]
+    if hits0:
+        assert hits1["vllm:prefix_cache_hits"] - hits0["vllm:prefix_cache_hits"] >= 64
+
+
+def test_preemption_and_abort_lose_nothing(engines, ckpts):
+    """8 KV blocks of 32 slots for 4 requests of ~100 tokens with 27-node trees: requests are preempted
+    and resumed mid-generation; one request is aborted between tree steps.  The survivors are
+    token-identical to vanilla."""
+    from vllm import SamplingParams
+
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get("small_kv")
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[5], PROMPTS[7]]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    done, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        steps += 1
+        if steps == 6:
+            eng.abort_request(["r2"])
+    assert "r2" not in done and set(done) == {"r0", "r1", "r3"}
+    for i in (0, 1, 3):
+        assert done[f"r{i}"] == ref[tuple(prompts[i])][:48], i
+    preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert preempted > 0
+
+
+INC_PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106], [9000, 9001, 9002]]
+
+
+def test_exact_drafter_accepts_full_depth(engines):
+    llm = engines.get("exact")
+    prop = drafter_of(llm)
+    depth = prop.tree.max_depth
+    before, steps0, passes0 = spec_counters(llm), prop.steps, prop.passes
+    toks, outs = _greedy(llm, INC_PROMPTS, n=36)
+    for p, t in zip(INC_PROMPTS, toks):
+        assert t == [(p[-1] + i) % V for i in range(1, 37)]
+    c = _delta(spec_counters(llm), before)
+    assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == depth * c["num_drafts"]
+    assert c["num_accepted_tokens_per_pos"][:depth] == [c["num_drafts"]] * depth   # per depth
+    for o in outs:
+        assert o.outputs[0].spec_decode_metrics.to_dict()["mean_acceptance_length"] == depth + 1
+    steps = prop.steps - steps0
+    assert steps > 0 and prop.passes - passes0 == steps * math.ceil(depth / prop.k)
+    assert prop.tree_accepted_per_depth[-1] == prop.tree_steps > 0
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.9)])
+def test_sampling_is_lossless(engines, ckpts, temperature, top_p):
+    """Every increment d = x_i - x_{i-1} - 1 is i.i.d. from the target's processed p(d); the tree has
+    3 candidates at depth 1, so rejected siblings and residual distributions are exercised."""
+    from vllm import SamplingParams
+
+    from falcon_vllm.verify import probs_from_logits
+
+    llm = engines.get("exact")
+    inc = ckpts["inc"]
+    last = torch.tensor([300, 7000, 25000])
+    with torch.no_grad():
+        logits = inc(torch.stack([last - 2, last - 1, last], 1)).logits[:, -1].double()
+    probs = probs_from_logits(logits.float(), temperature, None, top_p).double()
+    cols = (last[:, None] + 1 + torch.arange(-2, 3)[None]) % V
+    p = probs.gather(1, cols).mean(0)
+    p = torch.cat([p, (1 - p.sum()).clamp(min=0)[None]])
+    assert 0.3 < float(p[2]) < 0.95
+    before = spec_counters(llm)
+    starts = torch.randint(0, V, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = {} if top_p is None else {"top_p": top_p}
+    outs = llm.generate([{"prompt_token_ids": [(s - 2) % V, (s - 1) % V, s]} for s in starts],
+                        SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, **kw),
+                        use_tqdm=False)
+    counts = torch.zeros(len(p))
+    for s, o in zip(starts, outs):
+        seq = [s] + list(o.outputs[0].token_ids)
+        for a, b in zip(seq, seq[1:]):
+            d = (b - a - 1 + V // 2) % V - V // 2
+            counts[d + 2 if -2 <= d <= 2 else -1] += 1
+    n = counts.sum()
+    expected = n * p
+    keep = expected > 0.5
+    chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    assert chi2 < 23.0, (counts.tolist(), expected.tolist())
+    c = _delta(spec_counters(llm), before)
+    assert 0 < c["num_accepted_tokens"] < c["num_drafts"] * 6               # accepted and rejected
+
+
+def test_tree_config_errors(ckpts):
+    from falcon_vllm.vllm.options import MAX_TREE_NODES, resolve_falcon_config
+
+    hf = ckpts["rnd"].config
+    d = str(ckpts["dir"] / "rnd_k2")
+    sc, info = resolve_falcon_config({"model": d, "tree": "falcon-llama"}, hf, {"model", "num_speculative_tokens"})
+    assert info["mode"] == "tree" and sc["num_speculative_tokens"] == 118 and len(info["tree"]) == 118
+    sc, info = resolve_falcon_config({"model": d, "tree": "chain-6"}, hf, {"model", "num_speculative_tokens"})
+    assert info["mode"] == "chain" and sc["num_speculative_tokens"] == 6
+    with pytest.raises(ValueError, match="disagrees"):
+        resolve_falcon_config({"model": d, "tree": "falcon-llama", "num_speculative_tokens": 5}, hf,
+                              {"model", "num_speculative_tokens"})
+    big = [[i] for i in range(MAX_TREE_NODES + 1)]
+    with pytest.raises(ValueError, match="at most"):
+        resolve_falcon_config({"model": d, "tree": big}, hf, {"model", "num_speculative_tokens"})
+    with pytest.raises(ValueError, match="128"):
+        resolve_falcon_config({"model": d, "num_speculative_tokens": 200}, hf, {"model", "num_speculative_tokens"})
+    with pytest.raises(ValueError, match="orphan|no parent"):
+        resolve_falcon_config({"model": d, "tree": [[0], [1, 0, 0]]}, hf, {"model", "num_speculative_tokens"})
+    assert build_tree(_tuned_tree(), 3).num_nodes == 40
