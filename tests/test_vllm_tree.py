@@ -23,11 +23,20 @@ PROMPTS = [[11, 12, 13], list(range(200, 237)), [5] * 9, list(range(1000, 1020))
            list(range(3000, 3050)), [42] * 4, list(range(500, 517))]                     # 8 mixed lengths
 
 
-def _tuned_tree() -> list[list[int]]:
+def _tuned_tree(n: int = 40) -> list[list[int]]:
     """A tree fitted by tune-tree's optimiser to a synthetic rank profile (40 nodes)."""
     rng = random.Random(0)
     profiles = [tuple(min(3, int(rng.expovariate(1.5))) for _ in range(rng.randint(0, 7))) for _ in range(400)]
-    return best_tree(profiles, 40)[0]
+    return best_tree(profiles, n)[0]
+
+
+def _tuned_file(path) -> str:
+    """A tune-tree output: 40 nodes at batch 1-2, 12 at batch 3-5, no speculation from batch 6."""
+    import json
+
+    by = {"1": {"paths": _tuned_tree(40)}, "3": {"paths": _tuned_tree(12)}, "6": {"paths": []}}
+    path.write_text(json.dumps({"paths": _tuned_tree(40), "k": 3, "by_batch_size": by}))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +46,7 @@ def ckpts(tmp_path_factory):
     save_target(rnd, str(base / "rnd"))
     random_drafter(rnd, k=2, fusion="lstm").save_pretrained(str(base / "rnd_k2"))
     random_drafter(rnd, k=3, fusion="fc", num_layers=2, seed=4).save_pretrained(str(base / "rnd_k3"))
+    _tuned_file(base / "tuned.json")
     inc = increment_llama(vocab=V, hidden=128, heads=2, kv_heads=1)
     with torch.no_grad():
         inc.lm_head.weight.mul_(SHARP)
@@ -53,7 +63,7 @@ class Engines:
             "vanilla": ("rnd", None, {}),
             "llama": ("rnd", spec("rnd_k2", "falcon-llama"), {}),
             "vicuna": ("rnd", spec("rnd_k2", "falcon-vicuna"), {}),
-            "tuned_k3": ("rnd", spec("rnd_k3", _tuned_tree()), {}),
+            "tuned_k3": ("rnd", spec("rnd_k3", str(base / "tuned.json")), {}),
             "oracle": ("rnd", spec("rnd_k2", "falcon-llama"), {"enable_prefix_caching": True, "block_size": 32}),
             "small_kv": ("rnd", spec("rnd_k2", "tree-3x2x2x1"), {"num_gpu_blocks_override": 8, "block_size": 32, "max_model_len": 192,
                                                                   "max_num_seqs": 4}),
@@ -107,14 +117,26 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes)
     llm = engines.get(name)
     prop = drafter_of(llm)
     assert prop.tree is not None and prop.tree.num_nodes == nodes
+    sizes, orig = [], prop._draft_tree
+    prop._draft_tree = lambda cad, rows, pos, K: sizes.append((rows.shape[0], K)) or orig(cad, rows, pos, K)
     before = spec_counters(llm)
-    for p in PROMPTS[:2]:                                                   # batch 1
-        assert _greedy(llm, [p])[0][0] == ref[tuple(p)][:40], p
-    got, _ = _greedy(llm, PROMPTS)                                          # batch 8, mixed lengths
+    try:
+        for p in PROMPTS[:2]:                                               # batch 1
+            assert _greedy(llm, [p])[0][0] == ref[tuple(p)][:40], p
+        got, _ = _greedy(llm, PROMPTS)                                      # batch 8, mixed lengths
+        got3, _ = _greedy(llm, PROMPTS[:3])                                 # batch 3
+    finally:
+        del prop._draft_tree
     assert got == [ref[tuple(p)][:40] for p in PROMPTS]
+    assert got3 == [ref[tuple(p)][:40] for p in PROMPTS[:3]]
     d = _delta(spec_counters(llm), before)
-    assert d["num_drafts"] > 0 and d["num_draft_tokens"] == nodes * d["num_drafts"]
-    assert prop.passes == prop.steps * prop.tree.num_passes                # counted per step
+    assert d["num_drafts"] > 0
+    if name == "tuned_k3":  # the tune-tree file shrinks the tree as the batch grows
+        assert {(1, 40), (3, 12)} <= set(sizes) and all(B < 6 for B, _ in sizes)
+        assert 12 * d["num_drafts"] < d["num_draft_tokens"] < 40 * d["num_drafts"]
+    else:
+        assert {K for _, K in sizes} == {nodes} and d["num_draft_tokens"] == nodes * d["num_drafts"]
+        assert prop.passes == prop.steps * prop.tree.num_passes            # counted per step
 
 
 def test_tree_drafts_match_reference_engine(engines, ckpts):

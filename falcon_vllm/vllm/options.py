@@ -89,6 +89,34 @@ def check_weights(path: str) -> None:
         raise ValueError(f"falcon: drafter directory {path!r} has no weights (model.safetensors)")
 
 
+def _batch_size_trees(tree_spec, k: int, n: int):
+    """A ``falcon-vllm tune-tree`` file's per-batch-size trees -> (vLLM's dynamic K schedule,
+    {nodes: paths}); None for any other tree spec.  Batch sizes between two fitted ones take the
+    smaller one's tree; beyond the largest, its tree (0 nodes = no speculation)."""
+    if not (isinstance(tree_spec, str) and os.path.isfile(tree_spec)):
+        return None
+    import json
+
+    with open(tree_spec) as f:
+        data = json.load(f)
+    by = data.get("by_batch_size") if isinstance(data, dict) else None
+    if not by:
+        return None
+    rows = sorted((int(b), r) for b, r in by.items())
+    schedule, sized = [], {}
+    for i, (b, r) in enumerate(rows):
+        paths = r.get("paths") or []
+        w = len(paths)
+        if w > n:
+            raise ValueError(f"falcon: tree file {tree_spec}: the tree for batch size {b} has {w} nodes, more than "
+                             f"the file's main tree ({n})")
+        if w:
+            sized[w] = build_tree(paths, k).to_list()
+        hi = rows[i + 1][0] - 1 if i + 1 < len(rows) else 1 << 20
+        schedule.append([1 if i == 0 else b, hi, w])
+    return schedule, sized
+
+
 def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[dict, dict]:
     """Return (the config to give vLLM with method 'eagle', Falcon info to tag the draft config)."""
     sc = {k.replace("-", "_"): v for k, v in sc.items()}
@@ -128,7 +156,12 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                          "rejection sampler verifies per step; use a shorter chain or a tree")
     if tree is not None and not tree.is_chain:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
-        return sc, {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(),
-                    "tree_name": tree.name or "custom"}
+        info = {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
+        sized = _batch_size_trees(tree_spec, cfg.k, n)
+        if sized:
+            schedule, info["subtrees"] = sized
+            if sc.get("num_speculative_tokens_per_batch_size") is None:
+                sc["num_speculative_tokens_per_batch_size"] = schedule
+        return sc, info
     sc.update(method="eagle", model=path, num_speculative_tokens=n)
     return sc, {"mode": "chain", "num_speculative_tokens": n}

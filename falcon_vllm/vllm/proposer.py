@@ -73,7 +73,8 @@ class FalconProposer(EagleProposer):
             return
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
-            self.subtrees = tree_mode.SubtreeCache(self.tree)
+            self.subtrees = tree_mode.SubtreeCache(self.tree, self.falcon.get("subtrees"))
+            self.drafted_k = self.tree.num_nodes  # nodes per request drafted by the last propose()
             # per-depth acceptance of tree steps: drafts that reached depth d / tree steps
             self.tree_steps = 0
             self.tree_accepted_per_depth = [0] * self.tree.max_depth
@@ -148,6 +149,7 @@ class FalconProposer(EagleProposer):
         order, parents first) form a valid tree and only the passes it needs are run.
         """
         tree = self.subtrees.get(K)
+        self.drafted_k = K
         B, k, H = rows.shape
         topk, src = tree.topk, tree.node_source.to(rows.device)
         tables = [self._topk(rows, topk)]            # [B, rows, topk] per pass

@@ -201,12 +201,21 @@ class TreeStep:
 
 
 class SubtreeCache:
-    """The first W nodes of a tree (a valid tree: parents precede children) and its tensors."""
+    """The trees a step may draft: the full tree, or a W-node subtree when vLLM's dynamic
+    speculation (``num_speculative_tokens_per_batch_size``) asks for W tokens at this batch size.
 
-    def __init__(self, tree: DecodingTree):
+    ``sized`` maps W to the subtree fitted for it by ``falcon-vllm tune-tree``; other sizes take the
+    first W nodes in slot order.  ``prefix(K, w)`` is the tree of a request whose K drafted nodes
+    were cut to w by the scheduler (slot order puts parents first, so any prefix is a tree).
+    """
+
+    def __init__(self, tree: DecodingTree, sized: dict | None = None):
         self.tree = tree
         self._sub: dict[int, DecodingTree] = {}
-        self._bits: dict[tuple[int, int], torch.Tensor] = {}
+        for w, paths in (sized or {}).items():
+            self._sub[int(w)] = DecodingTree(paths, tree.k, f"{tree.name}[{int(w)}]")
+        self._prefix: dict[tuple[int, int], DecodingTree] = {}
+        self._bits: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def get(self, w: int) -> DecodingTree:
         if w >= self.tree.num_nodes:
@@ -215,10 +224,18 @@ class SubtreeCache:
             self._sub[w] = DecodingTree(self.tree.to_list()[:w], self.tree.k, f"{self.tree.name}[:{w}]")
         return self._sub[w]
 
-    def bits(self, w: int, words: int) -> torch.Tensor:
-        key = (w, words)
+    def prefix(self, K: int, w: int) -> DecodingTree:
+        full = self.get(K)
+        if w >= full.num_nodes:
+            return full
+        if (K, w) not in self._prefix:
+            self._prefix[(K, w)] = DecodingTree(full.to_list()[:w], full.k, f"{full.name}[:{w}]")
+        return self._prefix[(K, w)]
+
+    def bits(self, K: int, w: int, words: int) -> torch.Tensor:
+        key = (K, w, words)
         if key not in self._bits:
-            self._bits[key] = pack_tree_mask(self.get(w).ancestor_mask, words)
+            self._bits[key] = pack_tree_mask(self.prefix(K, w).ancestor_mask, words)
         return self._bits[key]
 
 
@@ -243,7 +260,7 @@ def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
             w = int(widths[r])
             rows.append(root_rows[r] + 1 + np.arange(w))
             roots.append(np.full(w, root_rows[r]))
-            depth.append(drafter.subtrees.get(w).depth[1:].numpy())
+            depth.append(drafter.subtrees.prefix(drafter.drafted_k, w).depth[1:].numpy())
         rows_t = torch.from_numpy(np.concatenate(rows)).to(dev)
         roots_t = torch.from_numpy(np.concatenate(roots)).to(dev)
         runner.positions[rows_t] = runner.positions[roots_t] + torch.from_numpy(np.concatenate(depth)).to(
@@ -252,7 +269,7 @@ def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
         qlens = widths[trees] + 1
         qsl = np.concatenate([[0], np.cumsum(qlens)])
         words = (int(qlens.max()) + 31) // 32
-        bits = torch.cat([drafter.subtrees.bits(int(widths[r]), words) for r in trees])
+        bits = torch.cat([drafter.subtrees.bits(drafter.drafted_k, int(widths[r]), words) for r in trees])
         all_rows = np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
         CTX.verify = VerifyTreeAttention(all_rows, trees, qsl, bits, dev)
     return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping)
@@ -323,7 +340,7 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
             continue
         dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)
         nodes = draft[dstart[:, None] + torch.arange(w, device=dev)]                # [G, w]
-        sub = drafter.subtrees.get(w)
+        sub = drafter.subtrees.prefix(drafter.drafted_k, w)
         if t is None:
             res = greedy_verify(sub, nodes, lg)
         else:
