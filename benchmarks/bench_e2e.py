@@ -5,6 +5,8 @@ Methods (``--methods``, comma separated; engines run one at a time, each freed b
   vanilla            vLLM, no speculation: the baseline of every vLLM row on the same target
   falcon-chain       vLLM, ``{"method": "falcon"}`` with the Falcon drafter (--drafter), chain of
                      K = --num-spec-tokens tokens drafted in ceil(K/k) drafter passes
+  falcon-tree[:<tree>]  vLLM, ``{"method": "falcon", "tree": <tree>}``: tree mode (preset name or a
+                     tune-tree file; default --tree), verified in one target pass under the ancestor mask
   eagle              vLLM's built-in ``{"method": "eagle"}`` with the EAGLE baseline drafter
                      (--eagle-drafter), K = --eagle-spec-tokens
   ngram              vLLM prompt lookup (the paper's PLD): lookup n-grams --ngram-min..--ngram-max,
@@ -16,7 +18,6 @@ Methods (``--methods``, comma separated; engines run one at a time, each freed b
   ref-falcon-chain   falcon_vllm.reference engine, chain of K = --num-spec-tokens tokens (batch 1)
   ref-falcon-tree[:<tree>]  the reference engine with a decoding tree (preset name, default --tree)
 
-vLLM has no tree mode yet, so tree rows come from the reference engine only (``engine=reference``).
 A method whose plugin, drafter or model is missing is skipped with a message (listed in the
 results) instead of failing the run; ``--strict`` turns that into an error.
 
@@ -75,7 +76,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRAFTERS = os.path.normpath(os.path.join(HERE, "..", "falcon_vllm", "drafters"))
-VLLM_METHODS = ("vanilla", "falcon-chain", "eagle", "ngram", "draft-model")
+VLLM_METHODS = ("vanilla", "falcon-chain", "falcon-tree", "eagle", "ngram", "draft-model")
 REF_METHODS = ("ref-vanilla", "ref-falcon-chain", "ref-falcon-tree")
 DRAFT_MODEL_TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT_MODEL_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -210,6 +211,17 @@ class VllmRunner:
                 raise Skip(f"no Falcon drafter at {a.drafter!r} (config.json missing)")
             self.drafter, self.num_spec_tokens = a.drafter, a.num_spec_tokens
             self.spec = {"method": "falcon", "model": a.drafter, "num_speculative_tokens": a.num_spec_tokens}
+        elif method.partition(":")[0] == "falcon-tree":
+            self._plugin_check()
+            if not _has_config(a.drafter):
+                raise Skip(f"no Falcon drafter at {a.drafter!r} (config.json missing)")
+            self.tree = method.partition(":")[2] or a.tree
+            self.drafter = a.drafter
+            self.spec = {"method": "falcon", "model": a.drafter, "tree": self.tree}
+            from falcon_vllm.config import FalconConfig
+            from falcon_vllm.tree import build_tree
+            self.num_spec_tokens = build_tree(self.tree, FalconConfig.load(a.drafter).k).num_nodes
+            self.tree = _portable(self.tree)
         elif method == "eagle":
             if not _has_config(a.eagle_drafter):
                 raise Skip(f"no EAGLE drafter at {a.eagle_drafter!r} (config.json missing)")
@@ -396,7 +408,7 @@ def plan(args) -> list[tuple[str, str | None]]:
     """(method, model override) in run order: reference rows first (vLLM pins threads), baselines first."""
     ref = [m for m in args.methods if m.partition(":")[0] in REF_METHODS]
     ref.sort(key=lambda m: m != "ref-vanilla")
-    vl = [m for m in args.methods if m in VLLM_METHODS and m != "draft-model"]
+    vl = [m for m in args.methods if m.partition(":")[0] in VLLM_METHODS and m != "draft-model"]
     vl.sort(key=lambda m: m != "vanilla")
     out = [(m, None) for m in ref + vl]
     if "draft-model" in args.methods:
@@ -660,7 +672,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="EAGLE drafter dir in vLLM's layout (default: falcon_vllm/drafters/smollm2-135m-instruct-eagle*)")
     g("--methods", default="vanilla,falcon-chain,eagle,ngram,draft-model,ref-vanilla,ref-falcon-chain,"
                            "ref-falcon-tree",
-      help=f"comma list of {', '.join(VLLM_METHODS + REF_METHODS)} (ref-falcon-tree:<tree> picks a tree)")
+      help=f"comma list of {', '.join(VLLM_METHODS + REF_METHODS)} (falcon-tree:<tree> / ref-falcon-tree:<tree> pick a tree)")
     g("--datasets", default="mt-bench,humaneval,gsm8k", help="comma list of mt-bench, humaneval, gsm8k")
     g("--num-prompts", type=int, default=8, help="first N questions of each dataset (MT-Bench: N x 2 turns)")
     g("--max-new-tokens", type=int, default=96)
@@ -672,7 +684,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g("--ngram-min", type=int, default=2, help="prompt_lookup_min for ngram")
     g("--ngram-max", type=int, default=4, help="prompt_lookup_max for ngram")
     g("--draft-model-spec-tokens", type=int, default=4, help="K for draft-model")
-    g("--tree", default="falcon-llama", help="tree of ref-falcon-tree without ':<tree>' (preset or file)")
+    g("--tree", default="falcon-llama", help="tree of falcon-tree / ref-falcon-tree without ':<tree>' (preset or file)")
     g("--repeats", type=int, default=1, help="timed passes over all prompts (spread: std/min/max)")
     g("--warmup", type=int, default=1,
       help="untimed generations per engine before timing (first prompt of each dataset in turn)")

@@ -63,7 +63,7 @@ def test_harness_end_to_end(tmp_path, monkeypatch):
     plugin = importlib.util.find_spec("falcon_vllm.vllm") is not None
     methods = ["vanilla", "ngram", "ref-vanilla", "ref-falcon-chain", "eagle", "draft-model"]
     if plugin:
-        methods.insert(1, "falcon-chain")
+        methods[1:1] = ["falcon-chain", "falcon-tree:tree-2x2"]
     bench_e2e.main(["--model", model, "--drafter", str(tmp_path / "drafter"), "--eagle-drafter",
                     str(tmp_path / "no-eagle"), "--methods", ",".join(methods), "--datasets", "humaneval",
                     "--num-prompts", "1", "--max-new-tokens", "12", "--max-model-len", "1024", "--repeats", "2",
@@ -71,7 +71,8 @@ def test_harness_end_to_end(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "res" / "tiny.json").read_text())
     rows = doc["rows"]
     got = [r["method"] for r in rows]
-    assert got == ["ref-vanilla", "ref-falcon-chain", "vanilla"] + (["falcon-chain"] if plugin else []) + ["ngram"]
+    assert got == (["ref-vanilla", "ref-falcon-chain", "vanilla"] +
+                   (["falcon-chain", "falcon-tree:tree-2x2"] if plugin else []) + ["ngram"])
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert set(bench_e2e.ROW_FIELDS) <= set(r)
@@ -86,6 +87,8 @@ def test_harness_end_to_end(tmp_path, monkeypatch):
     if plugin:
         f = by["falcon-chain"]
         assert f["num_drafts"] > 0 and f["num_draft_tokens"] == 4 * f["num_drafts"]
+        t = by["falcon-tree:tree-2x2"]  # 2 + 4 nodes, verified as one tree per step
+        assert t["tree"] == "tree-2x2" and t["num_spec_tokens"] == 6 and t["num_draft_tokens"] == 6 * t["num_drafts"]
     skipped = {s["method"]: s["reason"] for s in doc["skipped"]}
     assert "no-eagle" in skipped["eagle"] and "draft-model" in skipped
     md = (tmp_path / "res" / "tiny.md").read_text()
@@ -101,5 +104,5 @@ def test_help_lists_methods(capsys):
         bench_e2e.parse_args(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for m in ("falcon-chain", "eagle", "ngram", "draft-model", "ref-falcon-tree", "--repeats", "--warmup"):
+    for m in ("falcon-chain", "falcon-tree", "eagle", "ngram", "draft-model", "ref-falcon-tree", "--repeats", "--warmup"):
         assert m in out

@@ -64,7 +64,11 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{corrupt}"}, "corrupt or truncated"),
     ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "falcon", "model": "{good}", "num_speculative_tokens": -2}, "num_speculative_tokens must be an integer >= 1"),
-    ({"method": "falcon", "model": "{good}", "tree": "falcon-llama"}, "is not a chain"),
+    ({"method": "falcon", "model": "{good}", "tree": [[0], [2, 1]]}, r"has no parent \[2\]"),
+    ({"method": "falcon", "model": "{good}", "tree": [[i] for i in range(600)]}, "tree mode verifies at most 512"),
+    ({"method": "falcon", "model": "{good}", "tree": "falcon-llama", "num_speculative_tokens": 4},
+     "disagrees with tree"),
+    ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 129}, "above the 128"),
     ({"method": "falcon", "model": "/nonexistent/drafter"}, "does not exist"),
 ])
 def test_bad_configs_give_one_clear_error(dirs, spec, err):

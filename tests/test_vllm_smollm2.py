@@ -63,3 +63,22 @@ def test_shipped_drafter_greedy_identical(prompts, vanilla, batch):
         assert drafts > 0 and 0 < accepted <= 4 * drafts
     finally:
         free(llm)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_shipped_drafter_tree_mode_greedy_identical(prompts, vanilla, batch):
+    """Tree mode with the paper's tree (118 nodes) on the real model: identical greedy outputs."""
+    llm = make_llm(model_path(), {"method": "falcon", "tree": "falcon-llama"}, max_model_len=1024,
+                   max_num_seqs=batch)
+    try:
+        prop = drafter_of(llm)
+        assert prop.tree is not None and prop.tree.num_nodes == 118
+        before = spec_counters(llm)
+        assert _greedy(llm, prompts) == vanilla
+        after = spec_counters(llm)
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        assert drafts > 0 and 0 < accepted <= 8 * drafts
+        assert after["num_draft_tokens"] - before["num_draft_tokens"] == 118 * drafts
+    finally:
+        free(llm)
