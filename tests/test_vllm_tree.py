@@ -104,9 +104,18 @@ def _delta(after, before):
                 if isinstance(after[k], list) else after[k] - before[k]) for k in after}
 
 
+def _logprobs(llm, prompts, n=16):
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3), use_tqdm=False)
+    return [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
+
+
 def test_vanilla_reference(engines, ckpts):
     llm = engines.get("vanilla")
     ckpts["vanilla"] = {tuple(p): t for p, t in zip(PROMPTS, _greedy(llm, PROMPTS, n=64)[0])}
+    ckpts["vanilla_logprobs"] = _logprobs(llm, PROMPTS[:3])
 
 
 @pytest.mark.parametrize("name,nodes", [("llama", 118), ("vicuna", 165), ("tuned_k3", 40)])
@@ -137,6 +146,19 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes)
     else:
         assert {K for _, K in sizes} == {nodes} and d["num_draft_tokens"] == nodes * d["num_drafts"]
         assert prop.passes == prop.steps * prop.tree.num_passes            # counted per step
+
+
+def test_logprobs_match_vanilla(engines, ckpts):
+    """Tree steps return the target's logprobs of every emitted token and its top-3, as vanilla does."""
+    ref = ckpts.get("vanilla_logprobs")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    got = _logprobs(engines.get("llama"), PROMPTS[:3])
+    for g, r in zip(got, ref):
+        assert len(g) == len(r) == 16
+        for gs, rs in zip(g, r):
+            assert set(gs) == set(rs)
+            assert all(abs(gs[t] - rs[t]) < 1e-4 for t in rs), (gs, rs)
 
 
 def test_tree_drafts_match_reference_engine(engines, ckpts):

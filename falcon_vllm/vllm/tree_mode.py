@@ -311,8 +311,6 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
     cu_d = np.cumsum(widths)
     out = torch.full((B, int(widths.max()) + 1), -1, dtype=torch.int32, device=dev)
     draft = md.draft_token_ids.long()
-    if sm.max_num_logprobs is not None:
-        _warn_once("logprobs", "falcon tree mode does not return logprobs yet; requests asking for them get none")
     if not sm.no_penalties or sm.bad_words_token_ids or getattr(sm, "allowed_token_ids_mask", None) is not None:
         _warn_once("procs", "falcon tree mode samples from temperature/top-k/top-p only: penalties, bad words "
                    "and allowed-token lists are not applied to tree steps")
@@ -350,10 +348,28 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
         for i, r in enumerate(reqs):
             if res.accepted_slots[i]:
                 paths[r] = res.accepted_slots[i]
+    logprobs = None
+    if sm.max_num_logprobs is not None:
+        logprobs = _logprobs(runner, logits, out, cu_s - widths - 1, paths, sm.max_num_logprobs)
     if paths:
         _compact(runner, drafter, step, paths)
     drafter.record_tree_step(widths, paths)
-    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
+def _logprobs(runner, logits, out, starts, paths, num_logprobs):
+    """Target logprobs of every emitted token (and the top ``num_logprobs``), in vLLM's layout.
+
+    Output column j of a request was predicted at the slot before it on the accepted path (the
+    root for j = 0), so its logits row is that slot's.
+    """
+    B, width = out.shape
+    rows = np.repeat(np.asarray(starts, dtype=np.int64)[:, None], width, 1)
+    for r, path in paths.items():
+        rows[r, 1: len(path) + 1] += np.asarray(path)
+    lg = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)]
+    lp = runner.sampler.compute_logprobs(lg)
+    return runner.sampler.gather_logprobs(lp, num_logprobs, out.reshape(-1).clamp(min=0).long())
 
 
 def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> None:
