@@ -220,7 +220,9 @@ class VllmRunner:
             self.spec = {"method": "falcon", "model": a.drafter, "tree": self.tree}
             from falcon_vllm.config import FalconConfig
             from falcon_vllm.tree import build_tree
-            self.num_spec_tokens = build_tree(self.tree, FalconConfig.load(a.drafter).k).num_nodes
+            built = build_tree(self.tree, FalconConfig.load(a.drafter).k)
+            # vLLM counts acceptance per speculative-token position; for a tree, position i = depth i + 1
+            self.num_spec_tokens, self.depth = built.num_nodes, built.max_depth
             self.tree = _portable(self.tree)
         elif method == "eagle":
             if not _has_config(a.eagle_drafter):
@@ -483,7 +485,8 @@ def bench(args) -> tuple[list[dict], list[dict]]:
                    "alpha": round(m["alpha"], 4),
                    "draft_acceptance_rate": None if m["draft_acceptance_rate"] is None
                    else round(m["draft_acceptance_rate"], 4),
-                   "per_position_acceptance": [round(x, 4) for x in m["per_position_acceptance"]],
+                   "per_position_acceptance": [round(x, 4) for x in
+                                               m["per_position_acceptance"][:getattr(runner, "depth", None)]],
                    "num_drafts": m["num_drafts"], "num_draft_tokens": m["num_draft_tokens"],
                    "num_accepted_tokens": m["num_accepted_tokens"],
                    "tokens_per_s": round(statistics.median(tps), 3),
@@ -580,7 +583,7 @@ def markdown(rows, skipped, args) -> str:
             r["greedy_identical"])) + " |")
     pp = [r for r in rows if r["per_position_acceptance"]]
     if pp:
-        lines += ["", "Per-position (vLLM chain) / per-depth (reference tree) acceptance rate "
+        lines += ["", "Per-position (chains) / per-depth (trees) acceptance rate "
                       "(accepted at position i / drafts):", ""]
         for r in pp:
             lines.append(f"- {r['method']} / {r['dataset']}: "

@@ -19,6 +19,9 @@ def add_arguments(p):
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--tree", default=None,
+                   help="run falcon in tree mode with this tree (e.g. falcon-llama, tree-2x2x1); default: a chain "
+                        "of --num-speculative-tokens")
 
 
 def main(args):
@@ -54,8 +57,9 @@ def main(args):
     common = dict(model=target, dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=1,
                   disable_log_stats=False, seed=0)
     results = {}
-    for name, spec in (("vanilla", None), ("falcon", {"method": "falcon", "model": drafter,
-                                                      "num_speculative_tokens": args.num_speculative_tokens})):
+    falcon = {"method": "falcon", "model": drafter}
+    falcon.update({"tree": args.tree} if args.tree else {"num_speculative_tokens": args.num_speculative_tokens})
+    for name, spec in (("vanilla", None), ("falcon", falcon)):
         llm = LLM(speculative_config=spec, **common)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
         before = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
@@ -80,6 +84,6 @@ def main(args):
     print("\n" + "=" * 72)
     print(f"vanilla : {v['tps']:.1f} tokens/s")
     print(f"falcon  : {f['tps']:.1f} tokens/s  (speedup {f['tps'] / v['tps']:.2f}x, tau {f['tau']:.2f} incl. bonus, "
-          f"K={args.num_speculative_tokens}, drafter {os.path.basename(drafter.rstrip('/'))})")
+          f"{'tree ' + args.tree if args.tree else f'K={args.num_speculative_tokens}'}, drafter {os.path.basename(drafter.rstrip('/'))})")
     print(f"greedy outputs identical: {same}")
     return 0 if same else 1

@@ -83,6 +83,16 @@ def _check_internals() -> None:
     fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
     if missing := [f for f in _CAD_FIELDS if f not in fields]:
         _fail(f"CommonAttentionMetadata lacks {missing}")
+    # tree mode (falcon_vllm.vllm.tree_mode) wraps these
+    for name in ("_prepare_inputs", "_sample", "sample_tokens"):
+        if not callable(getattr(gmr.GPUModelRunner, name, None)):
+            _fail(f"GPUModelRunner.{name} is missing")
+    if "hidden_states" not in getattr(gmr.ExecuteModelState, "_fields", ()):
+        _fail("ExecuteModelState has no hidden_states")
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    sd_fields = {f.name for f in dataclasses.fields(SpecDecodeMetadata)}
+    if missing := [f for f in ("draft_token_ids", "num_draft_tokens") if f not in sd_fields]:
+        _fail(f"SpecDecodeMetadata lacks {missing}")
 
 
 def install() -> None:

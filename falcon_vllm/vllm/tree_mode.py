@@ -419,7 +419,8 @@ def install_runner_hooks() -> None:
     def sample_tokens(self, grammar_output):
         state = getattr(self, "execute_model_state", None)
         # the target hidden states of this step (reordered in place by the compaction)
-        self._falcon_hidden_states = state[4] if state is not None and _tree_drafter(self) is not None else None
+        self._falcon_hidden_states = (state.hidden_states if state is not None and _tree_drafter(self) is not None
+                                      else None)
         try:
             return orig_sample_tokens(self, grammar_output)
         finally:
