@@ -358,3 +358,45 @@ def test_tree_config_errors(ckpts):
     with pytest.raises(ValueError, match="orphan|no parent"):
         resolve_falcon_config({"model": d, "tree": [[0], [1, 0, 0]]}, hf, {"model", "num_speculative_tokens"})
     assert build_tree(_tuned_tree(), 3).num_nodes == 40
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(32, 32), (16, 64)])  # vec and vec16 ISAs
+def test_cpu_paged_layout_and_slot_copy(block_size, head_dim):
+    """paged_kv reads back what CPU_ATTN's cache writer stored (keys transposed per block), and
+    copy_kv_slots moves exactly the K/V of the given slots."""
+    from vllm import _custom_ops as ops
+
+    from falcon_vllm.vllm.tree_mode import copy_kv_slots, paged_kv
+
+    nb, hkv, T = 4, 2, 9
+    kv = torch.zeros(nb, hkv, block_size, 2 * head_dim)
+    kc4, vc4 = kv.view(nb, hkv, 2 * block_size, head_dim).chunk(2, dim=2)
+    key, value = torch.randn(T, hkv, head_dim), torch.randn(T, hkv, head_dim)
+    slots = torch.tensor([0, 1, 5, block_size, block_size + 3, 2 * block_size + 1, 3 * block_size - 1, 7, 9])
+    isa = "vec" if block_size % 32 == 0 else "vec16"
+    ops.cpu_attn_reshape_and_cache(key, value, kc4, vc4, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    kc, vc = paged_kv(kv, "cpu")
+    assert kc.shape == vc.shape == (nb, block_size, hkv, head_dim)
+    assert torch.equal(kc[slots // block_size, slots % block_size], key)
+    assert torch.equal(vc[slots // block_size, slots % block_size], value)
+    before = kv.clone()
+    copy_kv_slots(kv, "cpu", slots[[3, 5]], torch.tensor([2, 3]))
+    assert torch.equal(kc[0, 2], key[3]) and torch.equal(vc[0, 3], value[5])
+    changed = (kv != before).any(-1)                       # [nb, hkv, bs]: rows of the raw layout
+    assert int(changed.sum()) > 0
+    kc_b, vc_b = paged_kv(before, "cpu")
+    keep = torch.ones(nb, block_size, dtype=torch.bool)
+    keep[0, 2] = keep[0, 3] = False
+    assert torch.equal(kc[keep], kc_b[keep]) and torch.equal(vc[keep], vc_b[keep])
+
+
+def test_tune_tree_file_becomes_a_batch_size_schedule(ckpts, tmp_path):
+    from falcon_vllm.vllm.options import resolve_falcon_config
+
+    f = _tuned_file(tmp_path / "t.json")
+    valid = {"model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
+    sc, info = resolve_falcon_config({"model": str(ckpts["dir"] / "rnd_k3"), "tree": f}, ckpts["rnd"].config, valid)
+    assert sc["num_speculative_tokens"] == 40 and info["mode"] == "tree"
+    assert sc["num_speculative_tokens_per_batch_size"] == [[1, 2, 40], [3, 5, 12], [6, 1 << 20, 0]]
+    assert sorted(map(int, info["subtrees"])) == [12, 40]

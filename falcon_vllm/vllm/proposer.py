@@ -73,6 +73,12 @@ class FalconProposer(EagleProposer):
             return
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
+            mode = vllm_config.compilation_config.cudagraph_mode
+            if mode is not None and mode.has_full_cudagraphs():
+                # a fully captured graph would replay the stock attention and skip the ancestor mask
+                raise ValueError("falcon tree mode needs the target's attention outside CUDA graphs: run with "
+                                 "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager "
+                                 f"(cudagraph_mode is {mode.name})")
             self.subtrees = tree_mode.SubtreeCache(self.tree, self.falcon.get("subtrees"))
             self.drafted_k = self.tree.num_nodes  # nodes per request drafted by the last propose()
             # per-depth acceptance of tree steps: drafts that reached depth d / tree steps
