@@ -50,13 +50,9 @@ bench: models
 clean-venv:
 	rm -rf $(VENV)
 
-# Reproduce the shipped SmolLM2 drafters (falcon + EAGLE baseline) on a CPU.  DATA_CONVS and
-# EPOCHS set the budget (defaults sized for about 2 hours on 2 cores; the shipped drafter used a
-# smaller budget, see falcon_vllm/drafters/smollm2-135m-instruct/README.md).
-DATA_CONVS ?= 192
-EPOCHS     ?= 8
+# Reproduce the shipped SmolLM2 drafters (Falcon + EAGLE-1 baseline on the same data) and install
+# them into falcon_vllm/drafters: `falcon-vllm train --recipe smollm2` (about 30 min on 2 cores:
+# gen-data is most of it).  See falcon_vllm/drafters/smollm2-135m-instruct/README.md.
 DRAFT_DIR  ?= .cache/drafter-run
 drafter: models
-	$(PY) -m falcon_vllm.cli gen-data --out $(DRAFT_DIR)/data --num-conversations $(DATA_CONVS) --max-new-tokens 160
-	$(PY) -m falcon_vllm.cli train --data $(DRAFT_DIR)/data --out $(DRAFT_DIR)/falcon --k 2 --fusion lstm --epochs $(EPOCHS)
-	$(PY) -m falcon_vllm.cli train --data $(DRAFT_DIR)/data --out $(DRAFT_DIR)/eagle --mode eagle --epochs $(EPOCHS)
+	$(PY) -m falcon_vllm.cli train --recipe smollm2 --work $(DRAFT_DIR)

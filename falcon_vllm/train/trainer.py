@@ -442,7 +442,7 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
 
 
 RECIPES = {
-    # SmolLM2-135M-Instruct on a 2-core CPU in about 1.5 hours: gen-data (192 ShareGPT first turns x 160
+    # SmolLM2-135M-Instruct on a 2-core CPU in about 30 minutes: gen-data (192 ShareGPT first turns x 160
     # greedy tokens), then the Falcon drafter (k=2, fc fusion, CSGD) and the EAGLE baseline on the same data.
     "smollm2": {"num_conversations": 192, "max_new_tokens": 160, "gen_batch_size": 16, "epochs": 10,
                 "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
