@@ -203,8 +203,9 @@ def main(args):
         drafter(x, x, torch.arange(drafter.k).expand(8, -1), torch.ones(drafter.k, drafter.k, dtype=torch.bool))
     draft_cost = time.perf_counter() - t0
     res = choose_trees(profiles, cost, tqdm(bs, desc="cost model"), widths, drafter.k, draft_cost)
-    b1 = res[bs[0]]
-    out = {"paths": b1["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
+    # the main tree is the largest one (vLLM's K); each batch size drafts its own (0 nodes: no speculation)
+    largest = max(res.values(), key=lambda r: r["num_nodes"])
+    out = {"paths": largest["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
            "samples": len(profiles), "costs_s": {f"{b}x{w}": t for (b, w), t in sorted(memo.items())},
            "drafter_pass_s": draft_cost, "dataset": args.dataset, "drafter": args.drafter}
     with open(args.out, "w") as f:

@@ -400,3 +400,10 @@ def test_tune_tree_file_becomes_a_batch_size_schedule(ckpts, tmp_path):
     assert sc["num_speculative_tokens"] == 40 and info["mode"] == "tree"
     assert sc["num_speculative_tokens_per_batch_size"] == [[1, 2, 40], [3, 5, 12], [6, 1 << 20, 0]]
     assert sorted(map(int, info["subtrees"])) == [12, 40]
+    # a fit that found speculation unprofitable everywhere: tree mode with K = 0 at every batch size
+    import json
+    none = tmp_path / "none.json"
+    none.write_text(json.dumps({"paths": [[0]], "by_batch_size": {"1": {"paths": []}, "8": {"paths": []}}}))
+    sc, info = resolve_falcon_config({"model": str(ckpts["dir"] / "rnd_k3"), "tree": str(none)}, ckpts["rnd"].config,
+                                     valid)
+    assert info["mode"] == "tree" and sc["num_speculative_tokens_per_batch_size"] == [[1, 7, 0], [8, 1 << 20, 0]]

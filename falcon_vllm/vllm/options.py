@@ -154,10 +154,10 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if (tree is None or tree.is_chain) and n > MAX_CHAIN_TOKENS:
         raise ValueError(f"falcon: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that vLLM's "
                          "rejection sampler verifies per step; use a shorter chain or a tree")
-    if tree is not None and not tree.is_chain:
+    sized = _batch_size_trees(tree_spec, cfg.k, n) if tree is not None else None
+    if tree is not None and (sized or not tree.is_chain):  # a tune-tree file runs in tree mode even as a chain
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
         info = {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
-        sized = _batch_size_trees(tree_spec, cfg.k, n)
         if sized:
             schedule, info["subtrees"] = sized
             if sc.get("num_speculative_tokens_per_batch_size") is None:

@@ -114,6 +114,11 @@ class FalconProposer(EagleProposer):
         self.num_speculative_tokens = K
         self._last_draft_probs = None  # greedy drafts: one-hot proposals for the rejection sampler
         B = common_attn_metadata.batch_size()
+        if K == 0:
+            # vLLM's dynamic speculation turned drafting off at this batch size (e.g. a tune-tree fit):
+            # skip the drafter entirely.  Positions verified meanwhile have no drafter K/V, which only
+            # lowers acceptance for a while if drafting resumes at a smaller batch.
+            return torch.empty(B, 0, dtype=torch.int64, device=self.device)
 
         # chunk pass: stock causal EAGLE pass over every verified token (writes the drafter KV)
         num_tokens, last, cad = self.set_inputs_first_pass(
@@ -129,8 +134,6 @@ class FalconProposer(EagleProposer):
                        hidden_states=self.hidden_states[:num_tokens])
 
         ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
-        if K == 0:
-            return torch.empty(B, 0, dtype=torch.int64, device=self.device)
         self.steps += 1
 
         # pass 1: the relaxed block -> draft tokens 1..k
