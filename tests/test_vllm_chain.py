@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tests.vllm_util import drafter_of, free, make_llm, save_target, spec_counters
+from tests.vllm_util import EngineCache, drafter_of, greedy as _greedy, save_target, spec_counters
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 
@@ -50,51 +50,30 @@ def ckpts(tmp_path_factory):
     return {"dir": base, "inc": inc, "rnd": rnd}
 
 
-class Engines:
-    """Keeps at most one in-process engine alive; ``get(name)`` builds it on first use."""
-
-    def __init__(self, base):
-        self.base, self.name, self.llm = base, None, None
-        self.specs = {
-            "vanilla_rnd": ("rnd", None, {}),
-            "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
-            "falcon_rnd_fc2_unpadded": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4,
-                                                "disable_padded_drafter_batch": True}, {}),
-            "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
-            "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
-        }
-
-    def get(self, name):
-        if self.name != name:
-            self.close()
-            target, spec, kw = self.specs[name]
-            if spec is not None:
-                spec = dict(spec, method="falcon", model=str(self.base / spec["model"]))
-            if spec is not None:
-                kw = dict(kw, per_request_spec_decode_metrics="detailed")
-            self.llm = make_llm(str(self.base / target), spec, **kw)
-            self.name = name
-        return self.llm
-
-    def close(self):
-        if self.llm is not None:
-            free(self.llm)
-            self.llm, self.name = None, None
+def _engine_specs(base) -> dict:
+    """name -> (target dir, speculative config, LLM kwargs); drafter names are folders under ``base``."""
+    specs = {
+        "vanilla_rnd": ("rnd", None, {}),
+        "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
+        "falcon_rnd_fc2_unpadded": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4,
+                                            "disable_padded_drafter_batch": True}, {}),
+        "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
+        "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
+    }
+    out = {}
+    for name, (target, spec, kw) in specs.items():
+        if spec is not None:
+            spec = dict(spec, method="falcon", model=str(base / spec["model"]))
+            kw = dict(kw, per_request_spec_decode_metrics="detailed")
+        out[name] = (str(base / target), spec, kw)
+    return out
 
 
 @pytest.fixture(scope="module")
 def engines(ckpts):
-    e = Engines(ckpts["dir"])
+    e = EngineCache(_engine_specs(ckpts["dir"]))
     yield e
     e.close()
-
-
-def _greedy(llm, prompts, n=40):
-    from vllm import SamplingParams
-
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], outs
 
 
 def _delta(after, before):

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.vllm_util import drafter_of, free, make_llm, save_target, spec_counters
+from tests.vllm_util import EngineCache, drafter_of, greedy as _greedy, save_target, spec_counters
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -55,48 +55,27 @@ def ckpts(tmp_path_factory):
     return {"dir": base, "rnd": rnd, "inc": inc}
 
 
-class Engines:
-    def __init__(self, base):
-        self.base, self.name, self.llm = base, None, None
-        spec = lambda model, tree: {"method": "falcon", "model": str(base / model), "tree": tree}  # noqa: E731
-        self.specs = {
-            "vanilla": ("rnd", None, {}),
-            "llama": ("rnd", spec("rnd_k2", "falcon-llama"), {}),
-            "vicuna": ("rnd", spec("rnd_k2", "falcon-vicuna"), {}),
-            "tuned_k3": ("rnd", spec("rnd_k3", str(base / "tuned.json")), {}),
-            "oracle": ("rnd", spec("rnd_k2", "falcon-llama"), {"enable_prefix_caching": True, "block_size": 32}),
-            "small_kv": ("rnd", spec("rnd_k2", "tree-3x2x2x1"), {"num_gpu_blocks_override": 8, "block_size": 32, "max_model_len": 192,
-                                                                  "max_num_seqs": 4}),
-            "exact": ("inc", spec("exact_k2", "tree-3x2x1x1x1x1"), {"per_request_spec_decode_metrics": "detailed"}),
-        }
-
-    def get(self, name):
-        if self.name != name:
-            self.close()
-            target, spec, kw = self.specs[name]
-            self.llm = make_llm(str(self.base / target), spec, **kw)
-            self.name = name
-        return self.llm
-
-    def close(self):
-        if self.llm is not None:
-            free(self.llm)
-            self.llm, self.name = None, None
+def _engine_specs(base) -> dict:
+    """name -> (target dir, speculative config, LLM kwargs)."""
+    spec = lambda model, tree: {"method": "falcon", "model": str(base / model), "tree": tree}  # noqa: E731
+    specs = {
+        "vanilla": ("rnd", None, {}),
+        "llama": ("rnd", spec("rnd_k2", "falcon-llama"), {}),
+        "vicuna": ("rnd", spec("rnd_k2", "falcon-vicuna"), {}),
+        "tuned_k3": ("rnd", spec("rnd_k3", str(base / "tuned.json")), {}),
+        "oracle": ("rnd", spec("rnd_k2", "falcon-llama"), {"enable_prefix_caching": True, "block_size": 32}),
+        "small_kv": ("rnd", spec("rnd_k2", "tree-3x2x2x1"), {"num_gpu_blocks_override": 8, "block_size": 32,
+                                                              "max_model_len": 192, "max_num_seqs": 4}),
+        "exact": ("inc", spec("exact_k2", "tree-3x2x1x1x1x1"), {"per_request_spec_decode_metrics": "detailed"}),
+    }
+    return {name: (str(base / target), sc, kw) for name, (target, sc, kw) in specs.items()}
 
 
 @pytest.fixture(scope="module")
 def engines(ckpts):
-    e = Engines(ckpts["dir"])
+    e = EngineCache(_engine_specs(ckpts["dir"]))
     yield e
     e.close()
-
-
-def _greedy(llm, prompts, n=40):
-    from vllm import SamplingParams
-
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], outs
 
 
 def _delta(after, before):

@@ -50,3 +50,33 @@ def spec_counters(llm) -> dict:
         if m.name.startswith("vllm:spec_decode"):
             out[m.name.split("vllm:spec_decode_")[1]] = getattr(m, "values", None) or getattr(m, "value", None)
     return out
+
+
+class EngineCache:
+    """Keeps at most one in-process engine alive (they share global state); ``get(name)`` builds
+    ``specs[name] = (target dir, speculative config or None, extra LLM kwargs)`` on first use."""
+
+    def __init__(self, specs: dict):
+        self.specs, self.name, self.llm = specs, None, None
+
+    def get(self, name):
+        if self.name != name:
+            self.close()
+            target, spec, kw = self.specs[name]
+            self.llm = make_llm(target, spec, **kw)
+            self.name = name
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            free(self.llm)
+            self.llm, self.name = None, None
+
+
+def greedy(llm, prompts, n=40):
+    """Greedy generation of ``n`` tokens (EOS ignored) -> (token lists, request outputs)."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], outs

@@ -28,7 +28,6 @@ All hooks check ``runner.drafter.tree``; runners without a Falcon tree are untou
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -456,7 +455,3 @@ def install_attention_hooks() -> None:
 def install() -> None:
     install_runner_hooks()
     install_attention_hooks()
-
-
-def num_words(width: int) -> int:
-    return max(1, math.ceil(width / 32))
