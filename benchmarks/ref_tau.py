@@ -4,7 +4,8 @@
     python benchmarks/ref_tau.py --drafter falcon=<dir>:falcon-llama --drafter eagle=<dir>:eagle-small \\
         --num-prompts 6 --max-new-tokens 64 --name ref_tau_smollm2
 
-Each ``--drafter`` is ``label=<falcon-format drafter dir>:<tree>``.  Every output is checked to be
+Each ``--drafter`` is ``label=<drafter dir>:<tree>``: a Falcon-format drafter, or an EAGLE-1 drafter in
+vLLM's ``method: "eagle"`` layout (run as the k=1 fc drafter it is).  Every output is checked to be
 token-identical to transformers' greedy generate.  Writes ``benchmarks/results/<name>.{json,md}``.
 """
 
@@ -46,7 +47,10 @@ def main(argv=None):
     for spec in a.drafter:
         label, rest = spec.split("=", 1)
         ddir, tree = rest.rsplit(":", 1)
-        eng = FalconReferenceEngine(target, FalconDrafter.from_pretrained(ddir, target.config), tree)
+        with open(os.path.join(ddir, "config.json")) as f:
+            falcon_format = "falcon" in json.load(f)
+        load = FalconDrafter.from_pretrained if falcon_format else FalconDrafter.from_vllm_eagle
+        eng = FalconReferenceEngine(target, load(ddir, target.config), tree)
         acc, same, t0 = [], True, time.time()
         for pr, ref in tqdm(list(zip(prompts, refs)), desc=label):
             r = eng.generate(pr, a.max_new_tokens)

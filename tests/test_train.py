@@ -126,6 +126,15 @@ def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
     keys = set(load_file(str(tmp_path / "e" / "vllm-eagle" / "model.safetensors")))
     assert "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
     assert not any(k.startswith("layers.0.input_layernorm") for k in keys)
+    # the export loads back (reference engine) as the k=1 fc drafter it came from, same weights
+    src = FalconDrafter.from_pretrained(str(tmp_path / "e"), target.config)
+    back = FalconDrafter.from_vllm_eagle(str(tmp_path / "e" / "vllm-eagle"), target.config)
+    assert (back.config.k, back.config.fusion) == (1, "fc")
+    assert all(torch.equal(v, back.state_dict()[n]) for n, v in src.state_dict().items())
+    with pytest.raises(ValueError, match="Falcon-format"):
+        FalconDrafter.from_vllm_eagle(str(tmp_path / "e"), target.config)
+    with pytest.raises(ValueError, match="another target"):
+        FalconDrafter.from_vllm_eagle(str(tmp_path / "e" / "vllm-eagle"), tiny_llama(vocab=96, seed=1).config)
 
 
 def test_cached_teacher_matches_full_teacher(target, data):

@@ -82,3 +82,16 @@ def test_shipped_drafter_tree_mode_greedy_identical(prompts, vanilla, batch):
         assert after["num_draft_tokens"] - before["num_draft_tokens"] == 118 * drafts
     finally:
         free(llm)
+
+
+@pytest.mark.slow
+def test_demo_command(capsys):
+    """`make demo` (the README's first command), shortened: vanilla and falcon agree and tau is reported."""
+    from falcon_vllm import cli
+
+    rc = cli.main(["demo", "--questions", "1", "--max-tokens", "24"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "greedy outputs identical: True" in out
+    tau = float(out.split("tau ")[1].split()[0])
+    assert 1.0 <= tau <= 5.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-SHIPPED = os.path.join(os.path.dirname(__file__), "drafters", "smollm2-135m-instruct")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-instruct")
 
 
 def add_arguments(p):
