@@ -188,7 +188,7 @@ def report(args, names):
                      "max_new_tokens": man.get("max_new_tokens"), "generation": man.get("generation")},
             "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
             "command": "python benchmarks/train_ablation.py " + " ".join(
-                a for a in sys.argv[1:] if not a.startswith("/")),
+                a for a in sys.argv[1:] if not a.startswith("/") and a != "--report-only"),
             "rows": rows}
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, args.name + ".json"), "w") as f:
