@@ -171,20 +171,25 @@ class FalconConfig:
 
     @classmethod
     def load(cls, directory: str) -> "FalconConfig":
-        path = os.path.join(directory, "config.json")
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"Falcon drafter directory {directory!r} does not exist")
-        if not os.path.exists(path):
-            raise ValueError(f"{directory!r} is not a Falcon drafter: it has no config.json")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        d, path = read_config_json(directory)
         return cls.from_hf_dict(d, source=path)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def read_config_json(directory: str, kind: str = "Falcon drafter") -> tuple[dict, str]:
+    """(parsed config.json, its path) of a drafter directory, with one clear error per way it can be wrong."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{kind} directory {directory!r} does not exist")
+    if not os.path.exists(path):
+        raise ValueError(f"{directory!r} is not a {kind}: it has no config.json")
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def target_signature(target_config) -> dict:

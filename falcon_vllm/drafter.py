@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from falcon_vllm.config import FalconConfig
+from falcon_vllm.config import FalconConfig, read_config_json
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [B, kv_heads, P, head_dim]
 
@@ -244,13 +244,7 @@ class FalconDrafter(nn.Module):
         """Load an EAGLE-1 drafter stored in vLLM's ``method: "eagle"`` layout (a Llama config without
         a ``falcon`` section; the files :func:`falcon_vllm.train.trainer.export_vllm_eagle` writes) as
         the k=1 fc drafter it is, so the reference engine can run it."""
-        import json
-
-        path = os.path.join(directory, "config.json")
-        if not os.path.exists(path):
-            raise ValueError(f"{directory!r} is not an EAGLE drafter: it has no config.json")
-        with open(path) as f:
-            d = json.load(f)
+        d, path = read_config_json(directory, kind="EAGLE drafter")
         if "falcon" in d:
             raise ValueError(f"{path} is a Falcon-format drafter; load it with FalconDrafter.from_pretrained")
         cfg = FalconConfig.from_hf_dict({**d, "falcon": {"k": 1, "fusion": "fc"}}, source=path)

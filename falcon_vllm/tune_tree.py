@@ -218,5 +218,5 @@ def main(args):
     if largest["num_nodes"] == 0:
         print("no tree pays off at any batch size on this machine with this drafter: serve without a "
               "speculative config (a schedule of empty trees still pays the speculative path's per-step "
-              "overhead, measured at 5-11% here), or train a stronger drafter")
+              "overhead), or train a stronger drafter")
     return 0
