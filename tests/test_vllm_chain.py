@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from tests.vllm_util import EngineCache, drafter_of, greedy as _greedy, save_target, spec_counters
+from tests.vllm_util import (EngineCache, counter_delta, drafter_of, greedy as _greedy, increment_bins,
+                             increment_chi_square, save_target, spec_counters)
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 
@@ -74,11 +75,6 @@ def engines(ckpts):
     e = EngineCache(_engine_specs(ckpts["dir"]))
     yield e
     e.close()
-
-
-def _delta(after, before):
-    return {k: (list(map(lambda a, b: a - b, after[k], before[k])) if isinstance(after[k], list)
-                else after[k] - before[k]) for k in after}
 
 
 def _record_drafts(prop):
@@ -143,7 +139,7 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name):
     assert got == [ref[tuple(p)] for p in PROMPTS + SHORT]
     cached = _cached_prompt(llm)                                           # prefix-cache hit: only
     assert _greedy(llm, [cached])[0][0] == _greedy(llm, [cached])[0][0] == ref[tuple(cached)]  # 2 new tokens
-    d = _delta(spec_counters(llm), before)
+    d = counter_delta(spec_counters(llm), before)
     K = prop.num_speculative_tokens
     assert d["num_drafts"] > 0 and d["num_draft_tokens"] == K * d["num_drafts"]
     assert prop.passes == prop.steps * math.ceil(K / prop.k)
@@ -202,7 +198,7 @@ def test_exact_drafter_accepts_everything(engines, name, k, K):
     toks, outs = _greedy(llm, PROMPTS_INC, n=30)
     for p, t in zip(PROMPTS_INC, toks):
         assert t == [(p[-1] + i) % V for i in range(1, 31)]
-    c = _delta(spec_counters(llm), before)
+    c = counter_delta(spec_counters(llm), before)
     assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] == K * c["num_drafts"]
     assert 1 + c["num_accepted_tokens"] / c["num_drafts"] == K + 1           # mean acceptance length
     assert c["num_accepted_tokens_per_pos"] == [c["num_drafts"]] * K
@@ -240,9 +236,7 @@ def test_sampling_is_lossless(engines, ckpts, temperature):
     with torch.no_grad():
         logits = inc(torch.stack([last - 2, last - 1, last], 1)).logits[:, -1].double()
     probs = torch.softmax(logits / temperature, -1)
-    cols = (last[:, None] + 1 + torch.arange(-2, 3)[None]) % V                # [3, 5] tokens t+1+d
-    p = probs.gather(1, cols).mean(0)                                         # p(d), d = -2..2
-    p = torch.cat([p, (1 - p.sum()).clamp(min=0)[None]])                      # bins d=-2..2, other
+    p = increment_bins(probs, last, V)                                        # bins d=-2..2, other
     p0 = float(p[2])
     assert 0.35 < p0 < 0.9 and p[-1] < 0.01  # a sharp, non-degenerate distribution
     before = spec_counters(llm)
@@ -250,18 +244,9 @@ def test_sampling_is_lossless(engines, ckpts, temperature):
     outs = llm.generate([{"prompt_token_ids": [(s - 2) % V, (s - 1) % V, s]} for s in starts],
                         [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
                          for i in range(len(starts))], use_tqdm=False)
-    counts = torch.zeros(len(p))
-    for s, o in zip(starts, outs):
-        seq = [s] + list(o.outputs[0].token_ids)
-        for a, b in zip(seq, seq[1:]):
-            d = (b - a - 1 + V // 2) % V - V // 2
-            counts[d + 2 if -2 <= d <= 2 else -1] += 1
-    n = counts.sum()
-    expected = n * p
-    keep = expected > 0.5
-    chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    chi2, counts, expected = increment_chi_square(starts, outs, p, V)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
-    c = _delta(spec_counters(llm), before)
+    c = counter_delta(spec_counters(llm), before)
     # both branches of the rejection sampler ran: drafts were accepted and rejected.  The exact
     # drafter continues the increments of its *inputs*, so after a sampled d != 0 its first draft
     # is off by one: the first-position rate sits below p(0), well above zero.

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from tests.vllm_util import EngineCache, drafter_of, greedy as _greedy, save_target, spec_counters
+from tests.vllm_util import (EngineCache, counter_delta, drafter_of, greedy as _greedy, increment_bins,
+                             increment_chi_square, save_target, spec_counters)
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -78,11 +79,6 @@ def engines(ckpts):
     e.close()
 
 
-def _delta(after, before):
-    return {k: (list(map(lambda a, b: a - b, after[k], before[k] + [0] * (len(after[k]) - len(before[k]))))
-                if isinstance(after[k], list) else after[k] - before[k]) for k in after}
-
-
 def _logprobs(llm, prompts, n=16):
     from vllm import SamplingParams
 
@@ -117,7 +113,7 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes)
         del prop._draft_tree
     assert got == [ref[tuple(p)][:40] for p in PROMPTS]
     assert got3 == [ref[tuple(p)][:40] for p in PROMPTS[:3]]
-    d = _delta(spec_counters(llm), before)
+    d = counter_delta(spec_counters(llm), before)
     assert d["num_drafts"] > 0
     if name == "tuned_k3":  # the tune-tree file shrinks the tree as the batch grows
         assert {(1, 40), (3, 12)} <= set(sizes) and all(B < 6 for B, _ in sizes)
@@ -215,7 +211,7 @@ def test_compaction_with_accepted_off_consecutive_paths(engines, ckpts):
     finally:
         del prop._draft_tree
     assert got == [ref[tuple(p)][:56] for p in PROMPTS]
-    d = _delta(spec_counters(llm), before)
+    d = counter_delta(spec_counters(llm), before)
     assert d["num_accepted_tokens"] / d["num_drafts"] > 5                     # deep paths were accepted
     # resubmit prompt + output: the full blocks come from the prefix cache written by tree steps
     seqs = [list(p) + ref[tuple(p)][:56] for p in PROMPTS[1:2] + PROMPTS[5:6]]
@@ -268,7 +264,7 @@ def test_exact_drafter_accepts_full_depth(engines):
     toks, outs = _greedy(llm, INC_PROMPTS, n=36)
     for p, t in zip(INC_PROMPTS, toks):
         assert t == [(p[-1] + i) % V for i in range(1, 37)]
-    c = _delta(spec_counters(llm), before)
+    c = counter_delta(spec_counters(llm), before)
     assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == depth * c["num_drafts"]
     assert c["num_accepted_tokens_per_pos"][:depth] == [c["num_drafts"]] * depth   # per depth
     for o in outs:
@@ -292,9 +288,7 @@ def test_sampling_is_lossless(engines, ckpts, temperature, top_p):
     with torch.no_grad():
         logits = inc(torch.stack([last - 2, last - 1, last], 1)).logits[:, -1].double()
     probs = probs_from_logits(logits.float(), temperature, None, top_p).double()
-    cols = (last[:, None] + 1 + torch.arange(-2, 3)[None]) % V
-    p = probs.gather(1, cols).mean(0)
-    p = torch.cat([p, (1 - p.sum()).clamp(min=0)[None]])
+    p = increment_bins(probs, last, V)
     assert 0.3 < float(p[2]) < 0.95
     before = spec_counters(llm)
     starts = torch.randint(0, V, (64,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -302,18 +296,9 @@ def test_sampling_is_lossless(engines, ckpts, temperature, top_p):
     outs = llm.generate([{"prompt_token_ids": [(s - 2) % V, (s - 1) % V, s]} for s in starts],
                         SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, **kw),
                         use_tqdm=False)
-    counts = torch.zeros(len(p))
-    for s, o in zip(starts, outs):
-        seq = [s] + list(o.outputs[0].token_ids)
-        for a, b in zip(seq, seq[1:]):
-            d = (b - a - 1 + V // 2) % V - V // 2
-            counts[d + 2 if -2 <= d <= 2 else -1] += 1
-    n = counts.sum()
-    expected = n * p
-    keep = expected > 0.5
-    chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    chi2, counts, expected = increment_chi_square(starts, outs, p, V)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())
-    c = _delta(spec_counters(llm), before)
+    c = counter_delta(spec_counters(llm), before)
     assert 0 < c["num_accepted_tokens"] < c["num_drafts"] * 6               # accepted and rejected
 
 

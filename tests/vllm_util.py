@@ -80,3 +80,38 @@ def greedy(llm, prompts, n=40):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    """Difference of two ``spec_counters`` snapshots (per-position lists padded: trees grow them)."""
+    return {k: (list(map(lambda a, b: a - b, after[k], before[k] + [0] * (len(after[k]) - len(before[k]))))
+                if isinstance(after[k], list) else after[k] - before[k]) for k in after}
+
+
+# Losslessness on an increment target (``increment_llama``): after token t it puts its mass on t+1+d for
+# small d, so every generated increment d = x_i - x_{i-1} - 1 is i.i.d. from one distribution p(d).
+def increment_bins(probs, last, vocab: int):
+    """p(d) for d = -2..2 plus an 'other' bin, averaged over the rows of ``probs`` (next-token
+    distributions after the tokens ``last``)."""
+    import torch
+
+    cols = (last[:, None] + 1 + torch.arange(-2, 3)[None]) % vocab             # [R, 5] tokens t+1+d
+    p = probs.gather(1, cols).mean(0)
+    return torch.cat([p, (1 - p.sum()).clamp(min=0)[None]])
+
+
+def increment_chi_square(starts, outs, p, vocab: int):
+    """(chi-square statistic, observed counts, expected counts) of the increments of generations
+    ``outs`` (one per start token) against ``p`` from :func:`increment_bins`; bins with an expected
+    count <= 0.5 are left out of the statistic."""
+    import torch
+
+    counts = torch.zeros(len(p))
+    for s, o in zip(starts, outs):
+        seq = [s] + list(o.outputs[0].token_ids)
+        for a, b in zip(seq, seq[1:]):
+            d = (b - a - 1 + vocab // 2) % vocab - vocab // 2
+            counts[d + 2 if -2 <= d <= 2 else -1] += 1
+    expected = counts.sum() * p
+    keep = expected > 0.5
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum()), counts, expected
