@@ -40,6 +40,7 @@ class FalconConfig:
     max_position_embeddings: int = 4096
     model_type: str = "llama"
     tree: str | None = None           # default decoding tree (preset name or list string)
+    draft_vocab_size: int | None = None  # truncated draft head: its N target tokens (None = the target's head)
     target: dict[str, Any] = field(default_factory=dict)  # what the drafter was trained for
     extra: dict[str, Any] = field(default_factory=dict)   # training provenance etc.
 
@@ -54,6 +55,11 @@ class FalconConfig:
             raise ValueError(f"FalconConfig: num_layers must be >= 1, got {self.num_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("FalconConfig: num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size == self.vocab_size:
+            self.draft_vocab_size = None
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
+            raise ValueError(f"FalconConfig: draft_vocab_size must be in [1, vocab_size={self.vocab_size}) "
+                             f"got {self.draft_vocab_size}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"FalconConfig: model_type {self.model_type!r} is not supported "
                              f"(supported: {SUPPORTED_MODEL_TYPES})")
@@ -111,6 +117,7 @@ class FalconConfig:
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers,
             "vocab_size": self.vocab_size,
+            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
@@ -148,6 +155,7 @@ class FalconConfig:
                 head_dim=d.get("head_dim"),
                 intermediate_size=int(d["intermediate_size"]),
                 vocab_size=int(d["vocab_size"]),
+                draft_vocab_size=None if d.get("draft_vocab_size") is None else int(d["draft_vocab_size"]),
                 num_layers=int(d.get("num_hidden_layers", 1)),
                 k=int(f.get("k", 2)),
                 fusion=f.get("fusion", "lstm"),

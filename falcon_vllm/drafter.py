@@ -7,6 +7,12 @@ EAGLE's Linear), then N Llama decoder layers (layer 0 without input norm, no fin
 the target's frozen LM head.  The embedding and LM head are the target's, attached at run time
 with :meth:`FalconDrafter.attach_target`, and never stored in our checkpoints.
 
+Truncated draft vocabulary (``config.draft_vocab_size = N``): the drafter then has its own LM head
+over N target tokens (the most frequent ones in its training answers) and a ``d2t`` map stored in
+the checkpoint, in EAGLE-3's convention: target id = draft id + ``d2t[draft id]``.  A pass then
+costs N instead of V rows of the head; :meth:`FalconDrafter.topk_tokens` proposes target ids, so
+verification (and hence the output) is unchanged.
+
 SAR blocks: inside a chunk, a *relaxed* causal mask lets every position see its whole k-block;
 blocks are aligned to the END of the chunk (``chunk_mask``), so the last k positions always form
 one block.  Block position r (0..k-1) is trained to output f_{e+1+r} where e is the block's last
@@ -167,6 +173,9 @@ class FalconDrafter(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self._target: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
+        if cfg.draft_vocab_size:  # own head over N target tokens; d2t: target id = draft id + d2t[draft id]
+            self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
 
     @property
     def k(self) -> int:
@@ -182,6 +191,32 @@ class FalconDrafter(nn.Module):
         self._target = (embed_tokens, lm_head)
         return self
 
+    def init_draft_head(self, token_ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """Set the truncated head to the target's LM-head rows of ``token_ids`` [N] (target ids, any
+        order; stored sorted) and the matching ``d2t`` map."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"init_draft_head: need {self.config.draft_vocab_size} distinct token ids")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head[ids].to(self.lm_head.weight.dtype))
+            self.d2t.copy_(ids - torch.arange(ids.numel()))
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """[N] target id of each draft id (None: the head is the target's)."""
+        if not self.config.draft_vocab_size:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def target_to_draft(self) -> torch.Tensor | None:
+        """[V] draft id of each target id, -1 where the target token is not in the draft vocabulary."""
+        ids = self.draft_ids
+        if ids is None:
+            return None
+        t2d = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        t2d[ids] = torch.arange(ids.numel(), device=ids.device)
+        return t2d
+
     def _need_target(self):
         if self._target is None:
             raise RuntimeError("FalconDrafter: call attach_target(embed_tokens, lm_head) first")
@@ -191,7 +226,22 @@ class FalconDrafter(nn.Module):
         return self._need_target()[0](ids)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Drafter logits over its vocabulary: [..., V], or [..., N] for a truncated head (draft ids)."""
+        if self.config.draft_vocab_size:
+            return self.lm_head(features)
         return self._need_target()[1](features)
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's own logits [..., V] (its LM head, the teacher in training)."""
+        return self._need_target()[1](features)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids (identity for the target's head)."""
+        return draft_ids if not self.config.draft_vocab_size else draft_ids + self.d2t[draft_ids]
+
+    def topk_tokens(self, features: torch.Tensor, topk: int) -> torch.Tensor:
+        """features [..., H] -> the drafter's top-``topk`` candidates [..., topk] as target ids (rank order)."""
+        return self.to_target_ids(self.logits(features).topk(topk, dim=-1).indices)
 
     # -- forward ---------------------------------------------------------
     def fuse(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -226,7 +276,8 @@ class FalconDrafter(nn.Module):
         from safetensors.torch import save_file
 
         self.config.save(directory)
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
+                 for k, v in self.state_dict().items()}
         save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
@@ -275,8 +326,10 @@ def load_state_dict_file(directory: str) -> dict[str, torch.Tensor]:
 
 def check_state_dict(model: nn.Module, state: dict, source: str) -> dict:
     """Map official Falcon keys onto ours and check names and shapes, with one clear error."""
-    state = convert_official_state_dict(state)
+    state = convert_official_state_dict(state, keep_lm_head="lm_head.weight" in model.state_dict())
     own = model.state_dict()
+    if "d2t" in own:
+        check_d2t(state.get("d2t"), own["d2t"].numel(), model.config.vocab_size, source)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     wrong = [f"{n}: checkpoint {tuple(state[n].shape)} vs model {tuple(own[n].shape)}"
@@ -293,7 +346,22 @@ def check_state_dict(model: nn.Module, state: dict, source: str) -> dict:
     return state
 
 
-def convert_official_state_dict(state: dict) -> dict:
+def check_d2t(d2t: torch.Tensor | None, n: int, vocab: int, source: str) -> None:
+    """A truncated head needs its draft->target map: present, integer, N entries, distinct ids in range."""
+    if d2t is None:
+        raise ValueError(f"{source}: the drafter has a truncated head ({n} of {vocab} tokens) but its weights carry "
+                         "no 'd2t' map (draft id -> target id); without it the drafts would be the wrong tokens. "
+                         "Re-export the checkpoint with its map")
+    if d2t.is_floating_point() or d2t.shape != (n,):
+        raise ValueError(f"{source}: 'd2t' must be an integer tensor of shape ({n},), got {d2t.dtype} "
+                         f"{tuple(d2t.shape)}")
+    ids = torch.arange(n) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != n:
+        raise ValueError(f"{source}: 'd2t' maps draft ids outside the target vocabulary [0, {vocab}) or onto "
+                         "the same target id twice")
+
+
+def convert_official_state_dict(state: dict, keep_lm_head: bool = False) -> dict:
     """Official Falcon/EAGLE state dict -> ours.
 
     Official keys: ``embed_tokens.weight`` (a frozen copy of the target's: dropped, we share the
@@ -304,7 +372,7 @@ def convert_official_state_dict(state: dict) -> dict:
     for name, t in state.items():
         if name.startswith("model."):
             name = name[len("model."):]
-        if name.startswith("embed_tokens.") or name.startswith("lm_head."):
+        if name.startswith("embed_tokens.") or (name.startswith("lm_head.") and not keep_lm_head):
             continue
         out[name] = t
     return out

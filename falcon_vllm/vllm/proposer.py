@@ -213,7 +213,8 @@ class FalconProposer(EagleProposer):
     def _topk(self, rows: torch.Tensor, topk: int) -> torch.Tensor:
         """rows [B, R, H] -> the drafter's top candidates [B, R, topk] (rank order)."""
         B, R, H = rows.shape
-        return self.model.compute_logits(rows.reshape(B * R, H)).topk(topk, dim=-1).indices.view(B, R, topk)
+        ids = self.model.compute_logits(rows.reshape(B * R, H)).topk(topk, dim=-1).indices
+        return unwrap_model(self.model).to_target_ids(ids).view(B, R, topk)
 
     def record_tree_step(self, widths, paths: dict[int, list[int]]) -> None:
         """Per-depth acceptance of a verified tree step (called by the tree sampler)."""
@@ -291,9 +292,10 @@ class FalconProposer(EagleProposer):
         return torch.where(outside, PADDING_SLOT_ID, slots).reshape(-1)
 
     def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B, k, H] -> greedy draft tokens [B, k] (the target's LM head)."""
+        """rows [B, k, H] -> greedy draft tokens [B, k] (target ids; the drafter's LM head)."""
         B, k, H = rows.shape
-        return self.model.compute_logits(rows.reshape(B * k, H)).argmax(-1).view(B, k)
+        ids = self.model.compute_logits(rows.reshape(B * k, H)).argmax(-1)
+        return unwrap_model(self.model).to_target_ids(ids).view(B, k)
 
     def _req_ids(self, B: int) -> list[str | None]:
         batch = getattr(self._runner, "input_batch", None)
