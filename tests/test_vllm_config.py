@@ -148,3 +148,26 @@ def test_cpu_expand_kernel_fixed():
     except ImportError:
         return
     assert cpu_triton_utils._expand_kernel_impl is expand_to_tokens  # what the CPU platform registers
+
+
+def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
+    """Without `tree` or `num_speculative_tokens`, a drafter's serving.json decides; explicit keys win."""
+    import json
+
+    chain = tmp_path / "chain"
+    shutil.copytree(dirs / "good", chain)
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3}))
+    sc = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config
+    assert sc.num_speculative_tokens == 3 and sc.draft_model_config.hf_config.falcon["mode"] == "chain"
+    tree = tmp_path / "tree"
+    shutil.copytree(dirs / "good", tree)
+    (tree / "serving.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]], "by_batch_size": {
+        "1": {"paths": [[0], [1], [0, 0]]}, "8": {"paths": []}}}))
+    sc = _config(dirs, {"method": "falcon", "model": str(tree)}).speculative_config
+    assert sc.num_speculative_tokens == 3 and sc.draft_model_config.hf_config.falcon["mode"] == "tree"
+    assert [list(r) for r in sc.num_speculative_tokens_per_batch_size] == [[1, 7, 3], [8, 1 << 20, 0]]
+    sc = _config(dirs, {"method": "falcon", "model": str(tree), "num_speculative_tokens": 2}).speculative_config
+    assert sc.num_speculative_tokens == 2 and sc.draft_model_config.hf_config.falcon["mode"] == "chain"
+    (chain / "serving.json").write_text("{not json")
+    with pytest.raises(Exception, match="serving.json is not valid JSON"):
+        _config(dirs, {"method": "falcon", "model": str(chain)})

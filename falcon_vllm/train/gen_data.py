@@ -127,10 +127,17 @@ def write_shard(path: Path, samples) -> None:
 
 
 def load_shards(directory: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """All conversations of a gen-data directory as (tokens int64, loss_mask bool, hidden bf16)."""
+    """All conversations of a gen-data directory (or of several, comma-separated, in that order) as
+    (tokens int64, loss_mask bool, hidden bf16)."""
     from safetensors.torch import load_file
 
-    man = json.loads(Path(directory, "manifest.json").read_text())
+    if "," in directory:
+        return [s for d in directory.split(",") if d for s in load_shards(d)]
+    path = Path(directory, "manifest.json")
+    if not path.exists():
+        raise FileNotFoundError(f"{directory!r} is not a gen-data directory (no manifest.json); "
+                                "make one with `falcon-vllm gen-data --out DIR`")
+    man = json.loads(path.read_text())
     out = []
     for sh in man["shards"]:
         d = load_file(str(Path(directory, sh["file"])))

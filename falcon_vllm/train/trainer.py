@@ -114,7 +114,12 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
 
 def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
     """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused."""
-    cpath = os.path.join(data_dir, f"teacher_top{topk}_n{len(data)}.pt") if data_dir else None
+    cpath = None
+    if data_dir:  # next to the (first) data directory, named for the whole data set
+        import hashlib
+
+        tag = hashlib.sha1(",".join(os.path.abspath(d) for d in data_dir.split(",") if d).encode()).hexdigest()[:8]
+        cpath = os.path.join(data_dir.split(",")[0], f"teacher_top{topk}_n{len(data)}_{tag}.pt")
     if cpath and os.path.exists(cpath):
         return torch.load(cpath, weights_only=False)
     t0 = time.time()
@@ -331,7 +336,8 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           max_steps: int | None = None, seed: int = 0, eval_every_epoch: bool = True, resume: bool = True,
           save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, bf16: bool = False,
           teacher_topk: int = 64, logit_positions: int | None = 256, max_context: int | None = 128,
-          eval_roots: int = 240, draft_vocab: int | None = None, log=print) -> dict:
+          eval_roots: int = 240, draft_vocab: int | None = None, max_conversations: int | None = None,
+          log=print) -> dict:
     from tqdm import tqdm
 
     from falcon_vllm.train.gen_data import load_shards
@@ -354,6 +360,8 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
         data = [crop_context(s, max_context) for s in data]
     n_val = max(1, len(data) // 16)
     train_set, val_set = data[:-n_val], data[-n_val:]
+    if max_conversations:  # data-size ablations: fewer training conversations, the same held-out ones
+        train_set = train_set[:max_conversations]
     cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=layers, tree=tree,
                                    draft_vocab_size=draft_vocab)
     drafter = FalconDrafter(cfg)
@@ -558,6 +566,8 @@ def add_arguments(p):
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="truncated draft head over the N most frequent answer tokens (stored with its d2t map); "
                         "default: the target's full LM head")
+    p.add_argument("--max-conversations", type=int, default=None,
+                   help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bf16", action="store_true",
@@ -583,7 +593,8 @@ def main(args):
                 lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
                 save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16, teacher_topk=args.teacher_topk,
                 logit_positions=args.logit_positions or None, max_context=args.max_context or None,
-                eval_roots=args.eval_roots, draft_vocab=args.draft_vocab)
+                eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
+                max_conversations=args.max_conversations)
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res["final"]))

@@ -89,6 +89,30 @@ def check_weights(path: str) -> None:
         raise ValueError(f"falcon: drafter directory {path!r} has no weights (model.safetensors)")
 
 
+SERVING_FILE = "serving.json"
+
+
+def recommended_serving(path: str) -> tuple[str | None, int | None]:
+    """(tree spec, num_speculative_tokens) a drafter directory recommends in ``serving.json``: either a
+    ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
+    ``{"num_speculative_tokens": n}`` (a chain); (None, None) when it has none."""
+    f = os.path.join(path, SERVING_FILE)
+    if not os.path.isfile(f):
+        return None, None
+    import json
+
+    try:
+        with open(f) as fh:
+            rec = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"falcon: {f} is not valid JSON: {e}") from None
+    if isinstance(rec, dict) and ("paths" in rec or "by_batch_size" in rec):
+        return f, None
+    if isinstance(rec, dict) and isinstance(rec.get("num_speculative_tokens"), int):
+        return None, rec["num_speculative_tokens"]
+    raise ValueError(f"falcon: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
+
+
 def _batch_size_trees(tree_spec, k: int, n: int):
     """A ``falcon-vllm tune-tree`` file's per-batch-size trees -> (vLLM's dynamic K schedule,
     {nodes: paths}); None for any other tree spec.  Batch sizes between two fitted ones take the
@@ -136,6 +160,8 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         raise ValueError(f"falcon: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
+    if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
+        tree_spec, n = recommended_serving(path)
     tree = None
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
