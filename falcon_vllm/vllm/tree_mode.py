@@ -58,7 +58,14 @@ def kv_layout(impl, layer=None) -> str:
 
 
 def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's KV cache -> (key_cache, value_cache) as [num_blocks, block_size, Hkv, D] views."""
+    """A layer's KV cache -> (key_cache, value_cache) as [num_blocks, block_size, Hkv, D] views.
+
+    vLLM 0.32 gives every attention layer the logical view [num_blocks, Hkv, block_size, 2 * D]
+    (``create_kv_cache_views``) with the strides of the resolved ``KVCacheLayout``.
+    """
+    if layout == "flash":
+        # FLASH_ATTN: any stride order; K and V are read exactly as FlashAttentionImpl.forward does
+        return tuple(kv_cache.transpose(1, 2).split(kv_cache.shape[-1] // 2, dim=-1))
     if layout == "cpu":
         # CPU_ATTN (vec ISAs): per (block, kv head) bs*D key values stored [D, bs] (transposed),
         # then bs*D values stored [bs, D]
@@ -68,7 +75,7 @@ def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         keys = flat[:, :, : bs * d].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
         vals = flat[:, :, bs * d:].unflatten(2, (bs, d)).permute(0, 2, 1, 3)
         return keys, vals
-    return kv_cache[0], kv_cache[1]  # flash: [2, nb, bs, Hkv, D]
+    raise ValueError(f"falcon tree mode: unknown KV layout {layout!r}")
 
 
 def copy_kv_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor) -> None:
