@@ -27,7 +27,8 @@ SUPPORTED_RANGE = "vllm>=0.32,<0.34"
 DRAFTER_ARCH = "EagleFalconForCausalLM"
 
 # what FalconProposer uses of vLLM's proposer and attention metadata
-_PROPOSER_METHODS = ("propose", "load_model", "set_inputs_first_pass", "build_per_group_and_layer_attn_metadata",
+_PROPOSER_METHODS = ("propose", "load_model", "initialize_attn_backend", "set_inputs_first_pass",
+                     "build_per_group_and_layer_attn_metadata",
                      "_get_slot_mapping", "_get_positions")
 _PROPOSE_ARGS = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
                  "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
