@@ -85,7 +85,7 @@ def _check_internals() -> None:
     if missing := [f for f in _CAD_FIELDS if f not in fields]:
         _fail(f"CommonAttentionMetadata lacks {missing}")
     # tree mode (falcon_vllm.vllm.tree_mode) wraps these
-    for name in ("_prepare_inputs", "_sample", "sample_tokens"):
+    for name in ("_prepare_inputs", "_sample", "sample_tokens", "take_draft_token_ids"):
         if not callable(getattr(gmr.GPUModelRunner, name, None)):
             _fail(f"GPUModelRunner.{name} is missing")
     if "hidden_states" not in getattr(gmr.ExecuteModelState, "_fields", ()):

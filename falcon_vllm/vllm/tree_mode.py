@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 
 from falcon_vllm.kernels.tree_attention import pack_tree_mask, tree_attention_ref
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.verify import greedy_verify, probs_from_logits, sample_verify
+from falcon_vllm.verify import greedy_verify, sample_verify
 
 logger = init_logger(__name__)
 
@@ -348,13 +348,32 @@ def _target_kv_caches(runner, drafter) -> list[tuple[torch.Tensor, str]]:
     return out
 
 
-_warned: set[str] = set()
+# vLLM's built-in logits processors; each one is tied to a request field checked in tree_drafts_for
+_BUILTIN_PROCS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 
 
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(msg)
+def _custom_logitsprocs(runner) -> bool:
+    procs = runner.input_batch.sampling_metadata.logitsprocs.all
+    return any(type(p).__name__ not in _BUILTIN_PROCS for p in (procs() if callable(procs) else procs))
+
+
+def tree_drafts_for(sp) -> bool:
+    """Whether the tree sampler computes exactly what vLLM's sampler would for a request with these
+    sampling params: temperature, top-k and top-p only.  Any other feature (penalties, min_p, min_tokens,
+    logit_bias, allowed / bad words, structured output, thinking budget) turns drafting off for that
+    request: it is sampled by vLLM's own sampler, one token per step, while the batch keeps its trees."""
+    return sp is not None and not (
+        sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_p or sp.min_tokens
+        or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs is not None
+        or getattr(sp, "thinking_token_budget", None) is not None)
+
+
+def _plain_requests(runner, widths) -> list[int]:
+    """Rows of the batch sampled by vLLM's own sampler this step (no tree, or drafting off)."""
+    custom = _custom_logitsprocs(runner)  # engine-wide processors may touch any request
+    reqs = runner.input_batch.req_ids
+    return [r for r in range(len(widths)) if widths[r] == 0 or custom
+            or not tree_drafts_for(getattr(runner.requests.get(reqs[r]), "sampling_params", None))]
 
 
 def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
@@ -369,14 +388,16 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
     cu_d = np.cumsum(widths)
     out = torch.full((B, int(widths.max()) + 1), -1, dtype=torch.int32, device=dev)
     draft = md.draft_token_ids.long()
-    if not sm.no_penalties or sm.bad_words_token_ids or getattr(sm, "allowed_token_ids_mask", None) is not None:
-        _warn_once("procs", "falcon tree mode samples from temperature/top-k/top-p only: penalties, bad words "
-                   "and allowed-token lists are not applied to tree steps")
+    plain = _plain_requests(runner, widths)
+    if plain:  # vLLM's own sampler on every request's root row, exactly a non-speculative step
+        roots = torch.from_numpy(cu_s - widths - 1).to(dev)
+        idx = torch.tensor(plain, dtype=torch.long, device=dev)
+        out[idx, 0] = runner.sampler(logits[roots], sm).sampled_token_ids[idx, 0].to(torch.int32)
     temp = None if sm.all_greedy or sm.temperature is None else sm.temperature
     gens = sm.generators or {}
     paths: dict[int, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
-    for r in range(B):
+    for r in sorted(set(range(B)) - set(plain)):
         groups.setdefault((int(widths[r]), r if r in gens else -1), []).append(r)
     for (w, seeded), reqs in groups.items():
         idx = torch.tensor(reqs, dtype=torch.long, device=dev)
@@ -386,14 +407,6 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
         t = None if temp is None else temp[idx]
         tk = None if sm.top_k is None else sm.top_k[idx]
         tp = None if sm.top_p is None else sm.top_p[idx]
-        if w == 0:  # no tree (e.g. the drafter did not run): plain sampling of one token
-            if t is None:
-                tok = lg[:, 0].argmax(-1)
-            else:
-                p = probs_from_logits(lg[:, 0], t, tk, tp)
-                tok = torch.multinomial(p, 1, generator=gen)[:, 0]
-            out[idx, 0] = tok.to(torch.int32)
-            continue
         dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)
         nodes = draft[dstart[:, None] + torch.arange(w, device=dev)]                # [G, w]
         sub = drafter.subtrees.prefix(drafter.drafted_k, w)
@@ -457,13 +470,15 @@ def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> No
 
 
 def install_runner_hooks() -> None:
-    """Wrap the V1 runner's ``_prepare_inputs``, ``sample_tokens`` and ``_sample`` (idempotent)."""
+    """Wrap the V1 runner's ``_prepare_inputs``, ``sample_tokens``, ``_sample`` and ``take_draft_token_ids``
+    (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner._sample, "_falcon", False):
         return
     orig_prepare, orig_sample, orig_sample_tokens = (GPUModelRunner._prepare_inputs, GPUModelRunner._sample,
                                                      GPUModelRunner.sample_tokens)
+    orig_take = GPUModelRunner.take_draft_token_ids
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         res = orig_prepare(self, scheduler_output, num_scheduled_tokens)
@@ -493,11 +508,22 @@ def install_runner_hooks() -> None:
         self.input_batch.update_async_output_token_ids()
         return tree_sample(self, drafter, step, logits, spec_decode_metadata)
 
-    for f in (_prepare_inputs, sample_tokens, _sample):
+    def take_draft_token_ids(self):
+        out = orig_take(self)
+        if out is not None and _tree_drafter(self) is not None:
+            # requests the tree sampler cannot serve exactly get no speculative tokens scheduled
+            custom = _custom_logitsprocs(self)
+            out.draft_token_ids = [t if not custom and tree_drafts_for(
+                getattr(self.requests.get(rid), "sampling_params", None)) else []
+                for rid, t in zip(out.req_ids, out.draft_token_ids)]
+        return out
+
+    for f in (_prepare_inputs, sample_tokens, _sample, take_draft_token_ids):
         f._falcon = True
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.sample_tokens = sample_tokens
     GPUModelRunner._sample = _sample
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
 
 
 def install_attention_hooks() -> None:
