@@ -9,7 +9,7 @@ FlashAttention ("NHD") layout, any strides with a contiguous last dim, any dtype
 bits: fp16, bf16, fp32, fp8).  A model has 2 L planes (K and V of each layer).  ``caches`` is one of
 
   * a sequence of planes, all with the same shape, dtype and strides (e.g.
-    ``vllm_planes(kv_caches)`` for vLLM layer tensors [2, num_blocks, block_size, Hkv, D]);
+    ``vllm_planes(kv_caches)`` for vLLM 0.32 layer caches [num_blocks, Hkv, block_size, 2 D]);
   * a stacked tensor [N, num_blocks, block_size, Hkv, D] (N planes);
   * a :class:`PlaneTable` built once with :func:`plane_table` (the device pointer table the kernel
     reads; build it at start-up, cache tensors do not move).
@@ -63,8 +63,12 @@ class PlaneTable:
 
 
 def vllm_planes(kv_caches: Sequence[torch.Tensor]) -> list:
-    """vLLM FlashAttention layer caches [2, num_blocks, block_size, Hkv, D] -> the 2 L K/V planes."""
-    return [p for kv in kv_caches for p in kv.unbind(0)]
+    """vLLM 0.32 FLASH_ATTN layer caches -> the 2 L K/V planes.
+
+    Each layer cache is vLLM's logical [num_blocks, Hkv, block_size, 2 * D] view (any stride order
+    of ``KVCacheLayout``); K and V are split out exactly as FlashAttention reads them.
+    """
+    return [p for kv in kv_caches for p in kv.transpose(1, 2).split(kv.shape[-1] // 2, dim=-1)]
 
 
 def plane_table(caches: Union[Sequence[torch.Tensor], torch.Tensor, PlaneTable]) -> PlaneTable:

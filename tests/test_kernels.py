@@ -169,9 +169,11 @@ def test_kv_compaction_overlapping_multi_layer(dtype):
     ref = caches.clone()
     kv_compaction_ref(ref.flatten(0, 1), src, dst)              # stacked planes [6, blocks, bs, H, D]
     assert torch.equal(ref, want)
-    layers = [c.clone().to(DEV) for c in caches]                # vLLM layer tensors [2, blocks, bs, H, D]
+    # vLLM 0.32 FLASH_ATTN layer caches: logical [blocks, H, bs, 2 D] over NHD memory (LBNHC)
+    layers = [torch.cat([c[0], c[1]], -1).to(DEV).transpose(1, 2) for c in caches]
     kv_compaction(vllm_planes(layers), src.to(DEV), dst.to(DEV))
-    assert torch.equal(torch.stack(layers).cpu(), want)
+    got = torch.stack([torch.stack(kv.transpose(1, 2).split(64, -1)) for kv in layers])
+    assert torch.equal(got.cpu(), want)
 
 
 def test_kv_compaction_rows_with_counts():

@@ -219,8 +219,8 @@ def test_compaction_with_accepted_off_consecutive_paths(engines, ckpts):
     again, _ = _greedy(llm, [s[:-8] for s in seqs], n=8)
     hits1 = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"}
     assert again == [s[-8:] for s in seqs]
-    if hits0:
-        assert hits1["vllm:prefix_cache_hits"] - hits0["vllm:prefix_cache_hits"] >= 64
+    assert "vllm:prefix_cache_hits" in hits0 and "vllm:prefix_cache_hits" in hits1
+    assert hits1["vllm:prefix_cache_hits"] - hits0["vllm:prefix_cache_hits"] >= 64
 
 
 def test_preemption_and_abort_lose_nothing(engines, ckpts):

@@ -103,7 +103,7 @@ def increment_bins(probs, last, vocab: int):
 def increment_chi_square(starts, outs, p, vocab: int):
     """(chi-square statistic, observed counts, expected counts) of the increments of generations
     ``outs`` (one per start token) against ``p`` from :func:`increment_bins`; bins with an expected
-    count <= 0.5 are left out of the statistic."""
+    count <= 0.5 are left out of the statistic, but a count in a bin of zero probability fails."""
     import torch
 
     counts = torch.zeros(len(p))
@@ -113,5 +113,7 @@ def increment_chi_square(starts, outs, p, vocab: int):
             d = (b - a - 1 + vocab // 2) % vocab - vocab // 2
             counts[d + 2 if -2 <= d <= 2 else -1] += 1
     expected = counts.sum() * p
+    impossible = (p <= 0) & (counts > 0)
+    assert not bool(impossible.any()), f"observed {counts.tolist()} in bins of zero probability {p.tolist()}"
     keep = expected > 0.5
     return float((((counts - expected) ** 2)[keep] / expected[keep]).sum()), counts, expected

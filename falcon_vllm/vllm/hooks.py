@@ -28,7 +28,8 @@ DRAFTER_ARCH = "EagleFalconForCausalLM"
 EAGLE_D2T_ARCH = "EagleD2TLlamaForCausalLM"  # vLLM's EAGLE-1 with a truncated head (the baseline's)
 
 # what FalconProposer uses of vLLM's proposer and attention metadata
-_PROPOSER_METHODS = ("propose", "load_model", "set_inputs_first_pass", "build_per_group_and_layer_attn_metadata",
+_PROPOSER_METHODS = ("propose", "load_model", "initialize_attn_backend", "set_inputs_first_pass",
+                     "build_per_group_and_layer_attn_metadata",
                      "_get_slot_mapping", "_get_positions")
 _PROPOSE_ARGS = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
                  "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
@@ -85,7 +86,7 @@ def _check_internals() -> None:
     if missing := [f for f in _CAD_FIELDS if f not in fields]:
         _fail(f"CommonAttentionMetadata lacks {missing}")
     # tree mode (falcon_vllm.vllm.tree_mode) wraps these
-    for name in ("_prepare_inputs", "_sample", "sample_tokens"):
+    for name in ("_prepare_inputs", "_sample", "sample_tokens", "take_draft_token_ids"):
         if not callable(getattr(gmr.GPUModelRunner, name, None)):
             _fail(f"GPUModelRunner.{name} is missing")
     if "hidden_states" not in getattr(gmr.ExecuteModelState, "_fields", ()):

@@ -101,6 +101,11 @@ class FalconProposer(EagleProposer):
         if self.falcon:
             unwrap_model(self.model).attach_falcon_proposer()
 
+    def initialize_attn_backend(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_attn_backend(kv_cache_config, *args, **kwargs)
+        if self.tree is not None:  # start-up: the KV cache and every attention backend exist, no request yet
+            tree_mode.check_startup(self.vllm_config, kv_cache_config, self._draft_attn_layer_names)
+
     # ------------------------------------------------------------------ propose
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,

@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 
 from falcon_vllm.kernels.tree_attention import pack_tree_mask, tree_attention_ref
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.verify import greedy_verify, probs_from_logits, sample_verify
+from falcon_vllm.verify import greedy_verify, sample_verify
 
 logger = init_logger(__name__)
 
@@ -57,8 +57,67 @@ def kv_layout(impl, layer=None) -> str:
                               "(supported: CPU_ATTN on CPU, FLASH_ATTN on CUDA)")
 
 
+def _unsupported(name: str, layer) -> str | None:
+    """What tree attention cannot compute exactly for this attention layer (None: supported)."""
+    impl = layer.impl
+    sw, cap = getattr(impl, "sliding_window", None), getattr(impl, "logits_soft_cap", None)
+    checks = (
+        (sw not in (None, -1, (-1, -1)), f"sliding-window attention (window {sw})"),
+        (cap not in (None, 0), f"attention logit soft-capping ({cap})"),
+        (getattr(impl, "alibi_slopes", None) is not None, "ALiBi position biases"),
+        (getattr(impl, "sinks", None) is not None, "attention sinks"),
+        (getattr(impl, "kv_cache_dtype", "auto") != "auto", f"a {getattr(impl, 'kv_cache_dtype', '')} KV cache "
+         "(kv_cache_dtype; tree mode reads unscaled K/V)"),
+        (getattr(impl, "kv_sharing_target_layer_name", None) is not None, "cross-layer KV-cache sharing"),
+        (str(getattr(getattr(impl, "attn_type", "decoder"), "value", getattr(impl, "attn_type", "decoder")))
+         != "decoder", f"{getattr(impl, 'attn_type', '')} attention"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    try:
+        kv_layout(impl, layer)
+    except NotImplementedError as e:
+        return str(e).removeprefix("falcon tree mode: ")
+    d = getattr(impl, "head_size", None)
+    if type(impl).__name__.startswith("FlashAttention") and d is not None and (d & (d - 1) or not 16 <= d <= 256):
+        return f"head size {d} (the Triton tree-attention kernel takes powers of two in [16, 256])"
+    return None
+
+
+def check_startup(vllm_config, kv_cache_config, draft_layer_names) -> None:
+    """Refuse, before serving, any model or setting tree mode cannot serve exactly (one error naming it).
+
+    Called once the KV cache and the attention backends exist (the proposer's
+    ``initialize_attn_backend``).  Chain mode (vLLM's own EAGLE path) has none of these limits.
+    """
+    draft = set(draft_layer_names or ())
+    ctx = vllm_config.compilation_config.static_forward_context
+    hint = ("; tree mode refuses it at start-up rather than return something other than vanilla vLLM would. "
+            "Serve this model in chain mode (a chain tree such as \"chain-4\", or no \"tree\" key)")
+    for name, layer in ctx.items():
+        if getattr(layer, "impl", None) is None or not hasattr(layer, "kv_cache"):
+            continue
+        what = _unsupported(name, layer)
+        if what is not None:
+            raise ValueError(f"falcon-vllm: tree mode does not support {what} (layer {name}){hint}")
+    gid = {n: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for n in group.layer_names}
+    target = {gid[n] for n in gid if n not in draft}
+    if target != {0}:
+        raise ValueError(f"falcon-vllm: tree mode does not support a target whose KV cache spans several KV-cache "
+                         f"groups ({len(kv_cache_config.kv_cache_groups)} groups: hybrid or multi-spec models; "
+                         f"target layers in groups {sorted(target)}){hint}")
+
+
 def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's KV cache -> (key_cache, value_cache) as [num_blocks, block_size, Hkv, D] views."""
+    """A layer's KV cache -> (key_cache, value_cache) as [num_blocks, block_size, Hkv, D] views.
+
+    vLLM 0.32 gives every attention layer the logical view [num_blocks, Hkv, block_size, 2 * D]
+    (``create_kv_cache_views``) with the strides of the resolved ``KVCacheLayout``.
+    """
+    if layout == "flash":
+        # FLASH_ATTN: any stride order; K and V are read exactly as FlashAttentionImpl.forward does
+        return tuple(kv_cache.transpose(1, 2).split(kv_cache.shape[-1] // 2, dim=-1))
     if layout == "cpu":
         # CPU_ATTN (vec ISAs): per (block, kv head) bs*D key values stored [D, bs] (transposed),
         # then bs*D values stored [bs, D]
@@ -68,7 +127,7 @@ def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         keys = flat[:, :, : bs * d].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
         vals = flat[:, :, bs * d:].unflatten(2, (bs, d)).permute(0, 2, 1, 3)
         return keys, vals
-    return kv_cache[0], kv_cache[1]  # flash: [2, nb, bs, Hkv, D]
+    raise ValueError(f"falcon tree mode: unknown KV layout {layout!r}")
 
 
 def copy_kv_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -289,13 +348,32 @@ def _target_kv_caches(runner, drafter) -> list[tuple[torch.Tensor, str]]:
     return out
 
 
-_warned: set[str] = set()
+# vLLM's built-in logits processors; each one is tied to a request field checked in tree_drafts_for
+_BUILTIN_PROCS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 
 
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(msg)
+def _custom_logitsprocs(runner) -> bool:
+    procs = runner.input_batch.sampling_metadata.logitsprocs.all
+    return any(type(p).__name__ not in _BUILTIN_PROCS for p in (procs() if callable(procs) else procs))
+
+
+def tree_drafts_for(sp) -> bool:
+    """Whether the tree sampler computes exactly what vLLM's sampler would for a request with these
+    sampling params: temperature, top-k and top-p only.  Any other feature (penalties, min_p, min_tokens,
+    logit_bias, allowed / bad words, structured output, thinking budget) turns drafting off for that
+    request: it is sampled by vLLM's own sampler, one token per step, while the batch keeps its trees."""
+    return sp is not None and not (
+        sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_p or sp.min_tokens
+        or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs is not None
+        or getattr(sp, "thinking_token_budget", None) is not None)
+
+
+def _plain_requests(runner, widths) -> list[int]:
+    """Rows of the batch sampled by vLLM's own sampler this step (no tree, or drafting off)."""
+    custom = _custom_logitsprocs(runner)  # engine-wide processors may touch any request
+    reqs = runner.input_batch.req_ids
+    return [r for r in range(len(widths)) if widths[r] == 0 or custom
+            or not tree_drafts_for(getattr(runner.requests.get(reqs[r]), "sampling_params", None))]
 
 
 def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
@@ -310,14 +388,16 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
     cu_d = np.cumsum(widths)
     out = torch.full((B, int(widths.max()) + 1), -1, dtype=torch.int32, device=dev)
     draft = md.draft_token_ids.long()
-    if not sm.no_penalties or sm.bad_words_token_ids or getattr(sm, "allowed_token_ids_mask", None) is not None:
-        _warn_once("procs", "falcon tree mode samples from temperature/top-k/top-p only: penalties, bad words "
-                   "and allowed-token lists are not applied to tree steps")
+    plain = _plain_requests(runner, widths)
+    if plain:  # vLLM's own sampler on every request's root row, exactly a non-speculative step
+        roots = torch.from_numpy(cu_s - widths - 1).to(dev)
+        idx = torch.tensor(plain, dtype=torch.long, device=dev)
+        out[idx, 0] = runner.sampler(logits[roots], sm).sampled_token_ids[idx, 0].to(torch.int32)
     temp = None if sm.all_greedy or sm.temperature is None else sm.temperature
     gens = sm.generators or {}
     paths: dict[int, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
-    for r in range(B):
+    for r in sorted(set(range(B)) - set(plain)):
         groups.setdefault((int(widths[r]), r if r in gens else -1), []).append(r)
     for (w, seeded), reqs in groups.items():
         idx = torch.tensor(reqs, dtype=torch.long, device=dev)
@@ -327,14 +407,6 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
         t = None if temp is None else temp[idx]
         tk = None if sm.top_k is None else sm.top_k[idx]
         tp = None if sm.top_p is None else sm.top_p[idx]
-        if w == 0:  # no tree (e.g. the drafter did not run): plain sampling of one token
-            if t is None:
-                tok = lg[:, 0].argmax(-1)
-            else:
-                p = probs_from_logits(lg[:, 0], t, tk, tp)
-                tok = torch.multinomial(p, 1, generator=gen)[:, 0]
-            out[idx, 0] = tok.to(torch.int32)
-            continue
         dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)
         nodes = draft[dstart[:, None] + torch.arange(w, device=dev)]                # [G, w]
         sub = drafter.subtrees.prefix(drafter.drafted_k, w)
@@ -398,13 +470,15 @@ def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> No
 
 
 def install_runner_hooks() -> None:
-    """Wrap the V1 runner's ``_prepare_inputs``, ``sample_tokens`` and ``_sample`` (idempotent)."""
+    """Wrap the V1 runner's ``_prepare_inputs``, ``sample_tokens``, ``_sample`` and ``take_draft_token_ids``
+    (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner._sample, "_falcon", False):
         return
     orig_prepare, orig_sample, orig_sample_tokens = (GPUModelRunner._prepare_inputs, GPUModelRunner._sample,
                                                      GPUModelRunner.sample_tokens)
+    orig_take = GPUModelRunner.take_draft_token_ids
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         res = orig_prepare(self, scheduler_output, num_scheduled_tokens)
@@ -434,11 +508,22 @@ def install_runner_hooks() -> None:
         self.input_batch.update_async_output_token_ids()
         return tree_sample(self, drafter, step, logits, spec_decode_metadata)
 
-    for f in (_prepare_inputs, sample_tokens, _sample):
+    def take_draft_token_ids(self):
+        out = orig_take(self)
+        if out is not None and _tree_drafter(self) is not None:
+            # requests the tree sampler cannot serve exactly get no speculative tokens scheduled
+            custom = _custom_logitsprocs(self)
+            out.draft_token_ids = [t if not custom and tree_drafts_for(
+                getattr(self.requests.get(rid), "sampling_params", None)) else []
+                for rid, t in zip(out.req_ids, out.draft_token_ids)]
+        return out
+
+    for f in (_prepare_inputs, sample_tokens, _sample, take_draft_token_ids):
         f._falcon = True
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.sample_tokens = sample_tokens
     GPUModelRunner._sample = _sample
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
 
 
 def install_attention_hooks() -> None:
