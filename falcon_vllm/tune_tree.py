@@ -49,7 +49,9 @@ def rank_profile(drafter: FalconDrafter, tokens: torch.Tensor, feats: torch.Tens
     for n in roots:
         # drafter positions 0..n-1 read (x_{j+1}, f_j); last k form the prediction block
         ids = tokens[1:n + 1][None]
-        out_f, kv = drafter(drafter.embed(ids), feats[:n][None], torch.arange(n)[None], chunk_mask(0, n, k))
+        dev = tokens.device
+        out_f, kv = drafter(drafter.embed(ids), feats[:n][None], torch.arange(n, device=dev)[None],
+                            chunk_mask(0, n, k, device=dev))
         rows = out_f[0, -k:]
         ranks: list[int] = []
         past = kv
@@ -71,8 +73,8 @@ def rank_profile(drafter: FalconDrafter, tokens: torch.Tensor, feats: torch.Tens
                 break
             # next SAR block: the true tokens of the last k levels, features predicted by this block
             blk_ids = tokens[n + 1 + level - k: n + 1 + level][None]
-            pos = (n + level - k + torch.arange(k))[None]
-            mask = torch.ones(k, past[0][0].shape[2] + k, dtype=torch.bool)
+            pos = (n + level - k + torch.arange(k, device=dev))[None]
+            mask = torch.ones(k, past[0][0].shape[2] + k, dtype=torch.bool, device=dev)
             nxt, kv = drafter(drafter.embed(blk_ids), rows[None], pos, mask, past)
             past = [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(past, kv)]
             rows = nxt[0]
@@ -154,6 +156,9 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
 def add_arguments(p):
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", required=True, help="Falcon drafter directory")
+    p.add_argument("--data", default=None,
+                   help="gen-data directory: profile on its held-out conversations (the last 1/16, never trained "
+                        "on), with their stored features; default: --dataset prompts generated here")
     p.add_argument("--dataset", default="mt-bench", help="prompts: mt-bench, humaneval or gsm8k")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--gen-tokens", type=int, default=96, help="greedy tokens generated per prompt")
@@ -177,7 +182,16 @@ def main(args):
     drafter = FalconDrafter.from_pretrained(args.drafter, target.config)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     profiles = []
-    for q in tqdm(load_chat_prompts(args.dataset, args.num_prompts), desc="rank profile"):
+    if args.data:  # held-out conversations of a gen-data set (the trainer's split): stored tokens and features
+        from falcon_vllm.train.gen_data import load_shards
+
+        data = load_shards(args.data)
+        held = data[-max(1, len(data) // 16):][:args.num_prompts]
+        for tok_ids, mask, hid in tqdm(held, desc="rank profile (held-out)"):
+            start = int(mask.nonzero()[0]) if mask.any() else len(tok_ids)
+            roots = list(range(max(start, drafter.k), len(tok_ids) - args.max_depth - 1, 2))
+            profiles += rank_profile(drafter, tok_ids, hid.float(), args.max_depth, args.topk, roots)
+    for q in tqdm(load_chat_prompts(args.dataset, args.num_prompts) if not args.data else [], desc="rank profile"):
         ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         x = torch.tensor([ids])
@@ -198,16 +212,21 @@ def main(args):
 
     # one drafter pass ~ a k-token block per expansion node: measured at 8 blocks
     x = torch.randn(8, drafter.k, drafter.config.hidden_size)
-    t0 = time.perf_counter()
+    times = []
     with torch.inference_mode():
-        drafter(x, x, torch.arange(drafter.k).expand(8, -1), torch.ones(drafter.k, drafter.k, dtype=torch.bool))
-    draft_cost = time.perf_counter() - t0
+        for _ in range(6):  # first run warms up; the median of the rest
+            t0 = time.perf_counter()
+            out, _ = drafter(x, x, torch.arange(drafter.k).expand(8, -1), torch.ones(drafter.k, drafter.k, dtype=torch.bool))
+            drafter.topk_tokens(out, args.topk)
+            times.append(time.perf_counter() - t0)
+    draft_cost = sorted(times[1:])[len(times[1:]) // 2]
     res = choose_trees(profiles, cost, tqdm(bs, desc="cost model"), widths, drafter.k, draft_cost)
     # the main tree is the largest one (vLLM's K); each batch size drafts its own (0 nodes: no speculation)
     largest = max(res.values(), key=lambda r: r["num_nodes"])
     out = {"paths": largest["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
            "samples": len(profiles), "costs_s": {f"{b}x{w}": t for (b, w), t in sorted(memo.items())},
-           "drafter_pass_s": draft_cost, "dataset": args.dataset, "drafter": args.drafter}
+           "drafter_pass_s": draft_cost, "dataset": f"held-out of {args.data}" if args.data else args.dataset,
+           "drafter": args.drafter}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     for b, r in res.items():

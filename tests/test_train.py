@@ -206,3 +206,53 @@ def test_gen_data_two_turns(target):
         assert t0[p + 6:p + 6 + len(suffix)] == suffix and m0[p + 6:p + 6 + len(suffix)] == [0] * len(suffix)
         assert m0[p + 6 + len(suffix):] == [1] * 6 and len(t0) == p + 6 + len(suffix) + 6
     assert len(out[1][0]) == len(prompts[1]) + 6  # a single-turn conversation stays single-turn
+
+
+DDP_CONVERSATIONS = 18  # 17 for training (the last 1/16, at least 1, is held out)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, epochs: int):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    target = tiny_llama(vocab=64, seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 64, (4 + i % 3,), generator=g).tolist() for i in range(DDP_CONVERSATIONS)]
+    data = [(t.long(), m.bool(), h) for t, m, h in generate_and_featurize(target, prompts, 20, 0, set())]
+    res = train(data, f"{out}/run", target=target, k=2, fusion="fc", epochs=epochs, batch_size=4, lr=1e-3,
+                draft_vocab=48, eval_roots=12, log=lambda *a: None)
+    torch.save({"state": res["drafter"].state_dict(), "final": res["final"]}, f"{out}/rank{rank}_ep{epochs}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_two_processes_gloo(tmp_path):
+    """torchrun-style data parallelism on CPU (gloo): both ranks end with the same weights, rank 0 writes
+    the checkpoint (resumable with the same number of processes) and the drafter."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    mp.start_processes(_ddp_worker, args=(2, port(), str(tmp_path), 1), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}_ep1.pt", weights_only=False) for r in (0, 1))
+    assert r0["final"] is not None and r1["final"] is None             # rank 0 evaluates
+    for name, p in r0["state"].items():
+        assert torch.equal(p, r1["state"][name]), name                 # gradients were all-reduced
+    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    n_train = DDP_CONVERSATIONS - 1
+    steps_per_epoch = (n_train // 4 + (n_train % 4 > 0)) // 2          # batches of 4 split over 2 ranks
+    assert ck["world"] == 2 and ck["state"]["step"] == steps_per_epoch
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    # resume for a second epoch with 2 processes; a single process may not resume a 2-process run
+    mp.start_processes(_ddp_worker, args=(2, port(), str(tmp_path), 2), nprocs=2, start_method="spawn")
+    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ck["state"]["step"] == 2 * steps_per_epoch and len(ck["state"]["history"]) == 2
+    target = tiny_llama(vocab=64, seed=3)
+    with pytest.raises(ValueError, match="written by 2 processes"):
+        train([], str(tmp_path / "run"), target=target, k=2, fusion="fc", epochs=3, batch_size=4, draft_vocab=48)

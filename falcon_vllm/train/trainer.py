@@ -85,6 +85,7 @@ def make_batch(samples, k: int, max_len: int):
 
 @torch.inference_mode()
 def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int = 1024):
+    # (runs where lm_head lives; the cache is kept on the CPU)
     """The frozen teacher over each answer-predicting feature, computed once instead of every step.
 
     For every feature f_i whose next token is an answer token (loss_mask[i+1]): argmax, the top-``topk``
@@ -101,8 +102,9 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
              "val": torch.zeros(L, topk), "lse": torch.zeros(L), "lseT": torch.zeros(L)}
         for a in range(0, rows.numel(), chunk):
             r = rows[a:a + chunk]
-            lg = lm_head(hid[r].float()).float()
-            v, i = lg.topk(topk, dim=-1)
+            lg = lm_head(hid[r].to(lm_head.weight.device).float()).float()
+            v, i = (t.cpu() for t in lg.topk(topk, dim=-1))
+            lg = lg.cpu()
             c["arg"][r] = i[:, 0]
             c["idx"][r] = i.int()
             c["val"][r] = v
@@ -219,10 +221,10 @@ def apply_glance(batch, positions):
 
 
 def add_noise(feats, lengths, mode: str, gen: torch.Generator):
-    u = torch.rand(feats.shape, generator=gen) - 0.5
+    u = (torch.rand(feats.shape, generator=gen) - 0.5).to(feats.device)
     if mode == "fixed":
         return feats + 0.2 * u  # U(-0.1, 0.1)
-    scale = (0.2 * 512 / lengths.clamp(min=1).float())[:, None, None]  # official: U(+-51.2/L)
+    scale = (0.2 * 512 / lengths.clamp(min=1).float())[:, None, None].to(feats.device)  # official: U(+-51.2/L)
     return feats + u * scale
 
 
@@ -232,8 +234,8 @@ def subsample(mask, limit: int | None, gen: torch.Generator | None = None):
     if not limit or n <= limit:
         return mask
     idx = mask.flatten().nonzero().flatten()
-    keep = idx[torch.randperm(n, generator=gen)[:limit]]
-    out = torch.zeros(mask.numel(), dtype=torch.bool)
+    keep = idx[torch.randperm(n, generator=gen)[:limit].to(idx.device)]
+    out = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
     out[keep] = True
     return out.view_as(mask)
 
@@ -278,11 +280,32 @@ def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: floa
                                                                "ce": float(ce.detach()), "acc": float(acc)}
 
 
-def forward(drafter, ids, feats, batch):
+def forward(drafter, ids, feats, batch, net=None):
+    """Drafter outputs [B, T, H] of a training batch; ``net`` is the module to call (a DDP wrapper)."""
     B, T = ids.shape
-    pos = torch.arange(T).expand(B, T)
-    out, _ = drafter(drafter.embed(ids), feats, pos, batch["attn"])
+    pos = torch.arange(T, device=ids.device).expand(B, T)
+    out, _ = (net or drafter)(drafter.embed(ids), feats, pos, batch["attn"])
     return out
+
+
+def to_device(batch: dict, device) -> dict:
+    return {n: v.to(device, non_blocking=True) for n, v in batch.items()}
+
+
+def init_distributed(device: str) -> tuple[int, int, str]:
+    """(rank, world size, this rank's device): torchrun's environment -> a process group (NCCL on CUDA,
+    gloo on CPU); a plain run is rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 # ---------------------------------------------------------------------- evaluation
@@ -294,14 +317,16 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
     drafter.eval()
     correct = torch.zeros(k)
     total = torch.zeros(k)
+    dev = next(drafter.parameters()).device
     for s in samples:
-        b = make_batch([s], k, max_len)
+        b = to_device(make_batch([s], k, max_len), dev)
         pred = forward(drafter, b["ids_in"], b["feat_in"], b)[0]
         L = int(b["lengths"][0])
         sel = b["loss"][0, :L]
         teacher = b["t_arg"][0, :L] if "t_arg" in b else drafter.target_logits(b["feat_lbl"][0, :L]).argmax(-1)
-        hit = torch.zeros(L, dtype=torch.bool)
+        hit = torch.zeros(L, dtype=torch.bool, device=dev)
         hit[sel] = drafter.topk_tokens(pred[:L][sel], 1)[:, 0] == teacher[sel]
+        hit, sel = hit.cpu(), sel.cpu()
         r = (torch.arange(L) - (L - k)) % k  # offset inside its (end-aligned) block
         for o in range(k):
             m = sel & (r == o)
@@ -317,7 +342,7 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
             continue
         rs = rs[: max_roots - roots]
         roots += len(rs)
-        for prof in rank_profile(drafter, tok, hid.float(), tree.max_depth, topk, rs):
+        for prof in rank_profile(drafter, tok.to(dev), hid.to(dev).float(), tree.max_depth, topk, rs):
             a = 0
             while a < len(prof) and tuple(prof[:a + 1]) in nodes:
                 a += 1
@@ -337,17 +362,24 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, bf16: bool = False,
           teacher_topk: int = 64, logit_positions: int | None = 256, max_context: int | None = 128,
           eval_roots: int = 240, draft_vocab: int | None = None, max_conversations: int | None = None,
-          log=print) -> dict:
+          device: str = "cpu", log=print) -> dict:
+    """Train a drafter into ``out_dir`` (``checkpoint.pt`` each epoch: resumable).  Under ``torchrun`` it
+    runs data-parallel (DDP; NCCL on CUDA, gloo on CPU): each rank takes every world-th batch, rank 0
+    evaluates and writes.  Returns {"final", "history", "out", "drafter"} (rank 0; others: "final" None)."""
     from tqdm import tqdm
 
     from falcon_vllm.train.gen_data import load_shards
 
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("falcon-vllm train: --device cuda but torch sees no CUDA device")
+    rank, world, device = init_distributed(device)
+    torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    rng = random.Random(seed + rank)
+    gen = torch.Generator().manual_seed(seed + rank)
     if target is None:
         from transformers import AutoModelForCausalLM
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target = target.to(device)
     if mode == "eagle":
         k, fusion, glance = 1, "fc", "none"
     tree = tree or ("falcon-llama" if k == 2 else ("eagle-small" if k == 1 else f"chain-{2 * k}"))
@@ -364,49 +396,60 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
         train_set = train_set[:max_conversations]
     cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=layers, tree=tree,
                                    draft_vocab_size=draft_vocab)
-    drafter = FalconDrafter(cfg)
+    drafter = FalconDrafter(cfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     if cfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
         drafter.init_draft_head(frequent_tokens(train_set, cfg.draft_vocab_size, cfg.vocab_size),
                                 target.get_output_embeddings().weight)
     for p in target.parameters():
         p.requires_grad_(False)
+    net = drafter
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(drafter, device_ids=[torch.device(device).index] if device.startswith("cuda")
+                                      else None)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    steps_per_epoch = math.ceil(len(train_set) / batch_size)
+    steps_per_epoch = max(1, math.ceil(len(train_set) / batch_size) // world)
     total = max_steps or steps_per_epoch * epochs
     warm = max(1, total // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * max(0.0, 1 - s / total))
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, "checkpoint.pt")
+    rng_file = os.path.join(out_dir, f"rng_rank{rank}.pt")  # each rank's random streams
     state = {"step": 0, "epoch": 0, "history": []}
     if resume and os.path.exists(ckpt):
-        c = torch.load(ckpt, weights_only=False)
+        c = torch.load(ckpt, weights_only=False, map_location=device)
         drafter.load_state_dict(c["model"])
         opt.load_state_dict(c["opt"])
         sched.load_state_dict(c["sched"])
         state = c["state"]
-        rng.setstate(c["rng_py"])
-        gen.set_state(c["rng_gen"])
-        torch.set_rng_state(c["rng_torch"])
+        if c.get("world", 1) != world:
+            raise ValueError(f"falcon-vllm train: {ckpt} was written by {c.get('world', 1)} processes; resume it "
+                             f"with as many (this run has {world})")
+        r = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else c
+        rng.setstate(r["rng_py"])
+        gen.set_state(r["rng_gen"])
+        torch.set_rng_state(r["rng_torch"])
         log(f"resumed at step {state['step']}")
     tree_obj = build_tree(tree, k)
     t0 = time.time()
     drafter.train()
-    bar = tqdm(total=total, initial=state["step"], desc=f"train {mode}", unit="step")
+    bar = tqdm(total=total, initial=state["step"], desc=f"train {mode}", unit="step", disable=rank > 0)
     while state["step"] < total:
         if stop_after_epochs is not None and state["epoch"] >= stop_after_epochs:
             bar.close()
             return {"stopped": True, "state": state, "out": out_dir}  # resume later from checkpoint.pt
         epoch = state["epoch"]
-        batches = epoch_batches(train_set, batch_size, seed + epoch)
+        batches = epoch_batches(train_set, batch_size, seed + epoch)[rank::world][:steps_per_epoch]
         for bi in range(state["step"] % steps_per_epoch, len(batches)):
             if state["step"] >= total:
                 break
-            batch = make_batch([train_set[j] for j in batches[bi]], k, max_len)
+            batch = to_device(make_batch([train_set[j] for j in batches[bi]], k, max_len), device)
             feats = add_noise(batch["feat_in"], batch["lengths"], noise, gen)
             ids = batch["ids_in"]
             loss_mask = batch["loss"]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
                 if glance != "none":
                     # token argmaxes on (a random subset of) the loss positions: the LM head dominates
                     obs = subsample(loss_mask, logit_positions, gen)
@@ -424,7 +467,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                         loss_mask = loss_mask.clone()
                         for b, p in enumerate(pos):
                             loss_mask[b, p] = False
-                pred = forward(drafter, ids, feats, batch)
+                pred = forward(drafter, ids, feats, batch, net)
                 tok_mask = subsample(loss_mask, logit_positions, gen)
                 loss, parts = losses(drafter, pred, batch, loss_mask, w_dist, alpha, token_mask=tok_mask)
             opt.zero_grad(set_to_none=True)
@@ -437,18 +480,27 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
             bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{parts['acc']:.2f}")
         else:
             state["epoch"] += 1
-            if eval_every_epoch:
-                ev = evaluate(drafter, val_set, tree_obj, k, max_len, max(12, eval_roots // 5))
-                ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
-                state["history"].append(ev)
-                log(f"epoch {state['epoch']}: {json.dumps(ev)}")
-            torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "state": state, "rng_py": rng.getstate(), "rng_gen": gen.get_state(),
-                        "rng_torch": torch.get_rng_state()}, ckpt)
+            if rank == 0:
+                if eval_every_epoch:
+                    ev = evaluate(drafter, val_set, tree_obj, k, max_len, max(12, eval_roots // 5))
+                    ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
+                    state["history"].append(ev)
+                    log(f"epoch {state['epoch']}: {json.dumps(ev)}")
+                torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                            "state": state, "world": world, "rng_py": rng.getstate(), "rng_gen": gen.get_state(),
+                            "rng_torch": torch.get_rng_state()}, ckpt + ".tmp")
+                os.replace(ckpt + ".tmp", ckpt)
+            if world > 1:
+                torch.save({"rng_py": rng.getstate(), "rng_gen": gen.get_state(), "rng_torch": torch.get_rng_state()},
+                           rng_file)
+                torch.distributed.barrier()
     bar.close()
+    if rank > 0:
+        torch.distributed.barrier()  # rank 0 evaluates and writes the drafter
+        return {"final": None, "history": state["history"], "out": out_dir, "drafter": drafter}
     final = evaluate(drafter, val_set, tree_obj, k, max_len, eval_roots)
     final.update(steps=state["step"], seconds=round(time.time() - t0, 1), train_conversations=len(train_set),
-                 heldout_conversations=len(val_set))
+                 heldout_conversations=len(val_set), processes=world, device=str(torch.device(device).type))
     cfg.extra = {"training": {"mode": mode, "glance": glance, "glance_loss": glance_loss,
                               "lambda_schedule": lambda_schedule, "noise": noise, "lr": lr, "batch_size": batch_size,
                               "teacher_topk": teacher_topk, "logit_positions": logit_positions, "epochs": epochs,
@@ -459,7 +511,9 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
     drafter.save_pretrained(out_dir, dtype=save_dtype)
     if mode == "eagle":
         export_vllm_eagle(drafter, os.path.join(out_dir, "vllm-eagle"))
-    return {"final": final, "history": state["history"], "out": out_dir}
+    if world > 1:
+        torch.distributed.barrier()
+    return {"final": final, "history": state["history"], "out": out_dir, "drafter": drafter}
 
 
 def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
@@ -481,10 +535,12 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
 
 
 RECIPES = {
-    # SmolLM2-135M-Instruct on a 2-core CPU in about 30 minutes: gen-data (192 ShareGPT first turns x 160
-    # greedy tokens), then the Falcon drafter (k=2, fc fusion, CSGD) and the EAGLE baseline on the same data.
-    "smollm2": {"num_conversations": 192, "max_new_tokens": 160, "gen_batch_size": 16, "epochs": 10,
-                "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
+    # SmolLM2-135M-Instruct on a 2-core CPU: gen-data through vLLM (2048 ShareGPT first turns x up to 160
+    # greedy tokens, about 2 h), then the Falcon drafter (k=2, fc fusion, CSGD) and the EAGLE-1 baseline on
+    # the same data with the same truncated head (8192 tokens), each about 40 min.
+    "smollm2": {"num_conversations": 2048, "max_new_tokens": 160, "shard_size": 128, "backend": "vllm",
+                "epochs": 12, "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
+                "draft_vocab": 8192,
                 "falcon_dir": "smollm2-135m-instruct", "eagle_dir": "smollm2-135m-instruct-eagle",
                 "eagle_ref_dir": "smollm2-135m-instruct-eagle-ref", "eagle_tree": "eagle-small"},
 }
@@ -515,10 +571,11 @@ def run_recipe(name: str, work: str, install: bool = True, log=print) -> dict:
     target_dir = str(model_path())
     data = os.path.join(work, "data")
     t0 = time.time()
-    gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], r["gen_batch_size"])
+    gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], shard_size=r["shard_size"],
+                 backend=r["backend"])
     t_data = time.time() - t0
     common = dict(target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
-                  save_dtype=torch.bfloat16, log=log)
+                  draft_vocab=r["draft_vocab"], save_dtype=torch.bfloat16, log=log)
     fal = train(data, os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"], **common)
     eag = train(data, os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
     out = {"recipe": name, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"], "eagle": eag["final"],
@@ -570,6 +627,7 @@ def add_arguments(p):
                    help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank its LOCAL_RANK GPU)")
     p.add_argument("--bf16", action="store_true",
                    help="bf16 autocast (off by default: on a 2-core AVX-512 CPU one step measured 26x slower "
                         "than fp32, 242 s vs 9.3 s at batch 8)")
@@ -594,8 +652,10 @@ def main(args):
                 save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16, teacher_topk=args.teacher_topk,
                 logit_positions=args.logit_positions or None, max_context=args.max_context or None,
                 eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
-                max_conversations=args.max_conversations)
+                max_conversations=args.max_conversations, device=args.device)
+    if res["final"] is None:  # not rank 0
+        return 0
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        json.dump({n: v for n, v in res.items() if n != "drafter"}, f, indent=1)
     print(json.dumps(res["final"]))
     return 0
