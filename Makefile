@@ -59,9 +59,11 @@ bench: models
 clean-venv:
 	rm -rf $(VENV)
 
-# Reproduce the shipped SmolLM2 drafters (Falcon + EAGLE-1 baseline on the same data) and install
-# them into falcon_vllm/drafters: `falcon-vllm train --recipe smollm2` (about 30 min on 2 cores:
-# gen-data is most of it).  See falcon_vllm/drafters/smollm2-135m-instruct/README.md.
+# Reproduce the shipped SmolLM2 drafters (Falcon + EAGLE-1 baseline on the same data, same truncated
+# head) and install them into falcon_vllm/drafters: `falcon-vllm train --recipe smollm2` (gen-data through
+# vLLM, then both trainings; hours on 2 CPU cores, resumable: run it again after an interruption).
+# `make drafter DEVICE=cuda` trains on a GPU.  See falcon_vllm/drafters/smollm2-135m-instruct/README.md.
 DRAFT_DIR  ?= .cache/drafter-run
+DEVICE     ?= cpu
 drafter: models
-	$(PY) -m falcon_vllm.cli train --recipe smollm2 --work $(DRAFT_DIR)
+	$(PY) -m falcon_vllm.cli train --recipe smollm2 --work $(DRAFT_DIR) --device $(DEVICE)

@@ -362,7 +362,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
           save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, bf16: bool = False,
           teacher_topk: int = 64, logit_positions: int | None = 256, max_context: int | None = 128,
           eval_roots: int = 240, draft_vocab: int | None = None, max_conversations: int | None = None,
-          device: str = "cpu", log=print) -> dict:
+          device: str = "cpu", train_draft_head: bool = True, log=print) -> dict:
     """Train a drafter into ``out_dir`` (``checkpoint.pt`` each epoch: resumable).  Under ``torchrun`` it
     runs data-parallel (DDP; NCCL on CUDA, gloo on CPU): each rank takes every world-th batch, rank 0
     evaluates and writes.  Returns {"final", "history", "out", "drafter"} (rank 0; others: "final" None)."""
@@ -403,13 +403,15 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                                 target.get_output_embeddings().weight)
     for p in target.parameters():
         p.requires_grad_(False)
+    if cfg.draft_vocab_size and not train_draft_head:  # keep the target's rows
+        drafter.lm_head.weight.requires_grad_(False)
     net = drafter
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(drafter, device_ids=[torch.device(device).index] if device.startswith("cuda")
                                       else None)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     steps_per_epoch = max(1, math.ceil(len(train_set) / batch_size) // world)
     total = max_steps or steps_per_epoch * epochs
     warm = max(1, total // 20)
@@ -505,7 +507,7 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
                               "lambda_schedule": lambda_schedule, "noise": noise, "lr": lr, "batch_size": batch_size,
                               "teacher_topk": teacher_topk, "logit_positions": logit_positions, "epochs": epochs,
                               "max_context": max_context, "fusion": fusion, "k": k,
-                              "draft_vocab": cfg.draft_vocab_size,
+                              "draft_vocab": cfg.draft_vocab_size, "train_draft_head": train_draft_head,
                               "steps": state["step"], "heldout": final}}
     drafter.eval()
     drafter.save_pretrained(out_dir, dtype=save_dtype)
@@ -562,23 +564,31 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         json.dump(cfg, f, indent=2)
 
 
-def run_recipe(name: str, work: str, install: bool = True, log=print) -> dict:
-    """gen-data + Falcon (CSGD) + EAGLE baseline for a known target; installs into falcon_vllm/drafters."""
+def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", log=print) -> dict:
+    """gen-data + Falcon (CSGD) + EAGLE baseline for a known target; installs into falcon_vllm/drafters.
+    Every step resumes where it stopped (gen-data by shard, training by epoch)."""
+    import importlib.util
+
     from falcon_vllm.models import model_path
     from falcon_vllm.train import gen_data
 
     r = RECIPES[name]
     target_dir = str(model_path())
     data = os.path.join(work, "data")
+    backend = r["backend"]
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
+        backend = "hf"
     t0 = time.time()
     gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], shard_size=r["shard_size"],
-                 backend=r["backend"])
+                 backend=backend)
     t_data = time.time() - t0
     common = dict(target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
-                  draft_vocab=r["draft_vocab"], save_dtype=torch.bfloat16, log=log)
+                  draft_vocab=r["draft_vocab"], save_dtype=torch.bfloat16, device=device, log=log)
     fal = train(data, os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"], **common)
     eag = train(data, os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
-    out = {"recipe": name, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"], "eagle": eag["final"],
+    out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
+           "eagle": eag["final"],
            "total_seconds": round(time.time() - t0, 1)}
     if install:
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
@@ -623,6 +633,8 @@ def add_arguments(p):
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="truncated draft head over the N most frequent answer tokens (stored with its d2t map); "
                         "default: the target's full LM head")
+    p.add_argument("--freeze-draft-head", action="store_true",
+                   help="keep a truncated head at the target's LM-head rows (default: trained with the drafter)")
     p.add_argument("--max-conversations", type=int, default=None,
                    help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
@@ -641,7 +653,7 @@ def main(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.recipe:
-        print(json.dumps(run_recipe(args.recipe, args.work), indent=1))
+        print(json.dumps(run_recipe(args.recipe, args.work, device=args.device), indent=1))
         return 0
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm train: --data and --out are required (or --recipe)")
@@ -652,7 +664,8 @@ def main(args):
                 save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16, teacher_topk=args.teacher_topk,
                 logit_positions=args.logit_positions or None, max_context=args.max_context or None,
                 eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
-                max_conversations=args.max_conversations, device=args.device)
+                max_conversations=args.max_conversations, device=args.device,
+                train_draft_head=not args.freeze_draft_head)
     if res["final"] is None:  # not rank 0
         return 0
     with open(os.path.join(args.out, "training_log.json"), "w") as f:

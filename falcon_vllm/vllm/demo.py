@@ -17,7 +17,8 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "
 def add_arguments(p):
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="chain length (default: the drafter's recommended configuration, its serving.json)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--tree", default=None,
                    help="run falcon in tree mode with this tree (e.g. falcon-llama, tree-2x2x1); default: a chain "
@@ -58,7 +59,10 @@ def main(args):
                   disable_log_stats=False, seed=0)
     results = {}
     falcon = {"method": "falcon", "model": drafter}
-    falcon.update({"tree": args.tree} if args.tree else {"num_speculative_tokens": args.num_speculative_tokens})
+    if args.tree:
+        falcon["tree"] = args.tree
+    elif args.num_speculative_tokens:
+        falcon["num_speculative_tokens"] = args.num_speculative_tokens
     for name, spec in (("vanilla", None), ("falcon", falcon)):
         llm = LLM(speculative_config=spec, **common)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
@@ -67,6 +71,11 @@ def main(args):
         outs = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in prompts]  # batch 1
         dt = time.perf_counter() - t0
         after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        if spec is not None:
+            sc = llm.llm_engine.vllm_config.speculative_config
+            falcon_info = sc.draft_model_config.hf_config.falcon
+            how = (f"tree {falcon_info.get('tree_name')} ({sc.num_speculative_tokens} nodes)"
+                   if falcon_info.get("mode") == "tree" else f"chain K={sc.num_speculative_tokens}")
         n = sum(len(o.token_ids) for o in outs)
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
         acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -84,6 +93,6 @@ def main(args):
     print("\n" + "=" * 72)
     print(f"vanilla : {v['tps']:.1f} tokens/s")
     print(f"falcon  : {f['tps']:.1f} tokens/s  (speedup {f['tps'] / v['tps']:.2f}x, tau {f['tau']:.2f} incl. bonus, "
-          f"{'tree ' + args.tree if args.tree else f'K={args.num_speculative_tokens}'}, drafter {os.path.basename(drafter.rstrip('/'))})")
+          f"{how}, drafter {os.path.basename(drafter.rstrip('/'))})")
     print(f"greedy outputs identical: {same}")
     return 0 if same else 1
