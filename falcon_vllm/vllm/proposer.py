@@ -165,7 +165,7 @@ class FalconProposer(EagleProposer):
         outs = [rows]
         nodes = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=rows.device)
         prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
-        attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k)
+        attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k, max_prefix=cad.max_seq_len)
         chains: list[torch.Tensor] = []
         for p, plan in enumerate(tree.passes[1:], start=1):
             sel = src[:, 0] == p - 1
