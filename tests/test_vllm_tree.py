@@ -117,6 +117,7 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes)
     assert d["num_drafts"] > 0
     if name == "tuned_k3":  # the tune-tree file shrinks the tree as the batch grows
         assert {(1, 40), (3, 12)} <= set(sizes) and all(B < 6 for B, _ in sizes)
+        assert prop.skipped_steps > 0  # batch 8 drafts nothing: the runner's fast path skipped drafting
         assert 12 * d["num_drafts"] < d["num_draft_tokens"] < 40 * d["num_drafts"]
     else:
         assert {K for _, K in sizes} == {nodes} and d["num_draft_tokens"] == nodes * d["num_drafts"]

@@ -68,6 +68,7 @@ class FalconProposer(EagleProposer):
         self.k = int(self.falcon["k"]) if self.falcon else 1
         self.steps = 0   # propose() calls that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
+        self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         if not self.falcon:
             return
