@@ -145,7 +145,7 @@ def run_worker(args) -> list[dict]:
         for B in args.batch_sizes:
             batch = [{"prompt_token_ids": p} for p in prompts[:B]]
             sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
-            llm.generate(batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+            llm.generate(batch, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
             timers.total.clear()
             timers.calls.clear()
             timers.on = True
@@ -191,18 +191,27 @@ def run_driver(args) -> list[dict]:
     if args.compare:
         versions = [("before", os.path.abspath(args.compare)), ("after", ROOT)]
     rows = []
-    tmp = os.path.join(HERE, "results", f".{args.name}.part.json")
     for rnd in range(args.rounds):
-        for cfg in args.configs:   # alternate code versions per configuration (drift hits both alike)
+        for cfg in args.configs:
+            # the code versions of one configuration run side by side (--parallel) or one after the other,
+            # so load drift on a shared machine hits both alike
+            procs = []
             for label, root in versions:
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")]
                                                                              if p]))
-                subprocess.run(_worker_cmd(args, [cfg], tmp), env=env, check=True, cwd=root)
+                tmp = os.path.join(HERE, "results", f".{args.name}.{label}.part.json")
+                procs.append((label, root, tmp, subprocess.Popen(_worker_cmd(args, [cfg], tmp), env=env, cwd=root)))
+                if not args.parallel:
+                    procs[-1][3].wait()
+            for label, root, tmp, proc in procs:
+                if proc.wait() != 0:
+                    raise SystemExit(f"worker {label} {cfg} failed ({proc.returncode})")
                 with open(tmp) as f:
                     for r in json.load(f):
                         r.update(version=label, round=rnd, code=_code_id(root))
                         rows.append(r)
-    os.remove(tmp)
+                os.remove(tmp)
+            _write(args, rows)  # partial results survive an interrupted run
     return rows
 
 
@@ -240,7 +249,7 @@ def markdown(summary, args, command) -> str:
     lines = [f"# Step profile: {args.name}", "", f"Command: `{command}`", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
              f"{args.max_new_tokens} new tokens x {args.repeats} repeat(s) per batch, MT-Bench prompts, greedy, "
-             f"{args.rounds} round(s) (median).  ms per step (share of the step).  tree attention is part of "
+             f"{args.rounds} round(s) (median){'; versions run side by side' if args.parallel else ''}.  ms per step (share of the step).  tree attention is part of "
              "attention, which is part of target forward; compaction is part of sampler; drafter passes are "
              "part of drafting.", ""]
     head = ["version", "config", "B", "tok/step", "tok/s"] + list(COMPONENTS)
@@ -267,6 +276,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--compare", default=None, help="checkout of the code to profile as 'before'")
+    p.add_argument("--parallel", action="store_true",
+                   help="with --compare: run the two versions of a configuration at the same time")
     p.add_argument("--name", default="profile_step")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -283,19 +294,22 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f)
         return 0
-    command = "python benchmarks/profile_step.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
-    rows = run_driver(args)
+    args.command = "python benchmarks/profile_step.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    print(_write(args, run_driver(args)))
+    return 0
+
+
+def _write(args, rows) -> str:
     summary = summarise(rows)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     base = os.path.join(HERE, "results", args.name)
     with open(base + ".json", "w") as f:
-        json.dump({"command": command, "machine": platform.platform(), "summary": summary, "rows": rows}, f,
+        json.dump({"command": args.command, "machine": platform.platform(), "summary": summary, "rows": rows}, f,
                   indent=1)
-    md = markdown(summary, args, command)
+    md = markdown(summary, args, args.command)
     with open(base + ".md", "w") as f:
         f.write(md)
-    print(md)
-    return 0
+    return md
 
 
 if __name__ == "__main__":
