@@ -62,7 +62,8 @@ import torch
 
 from falcon_vllm.tree import DecodingTree
 
-__all__ = ["VerifyResult", "probs_from_logits", "greedy_verify", "sample_verify", "output_token_lists"]
+__all__ = ["VerifyResult", "probs_from_logits", "greedy_verify", "greedy_verify_argmax", "sample_verify",
+           "output_token_lists"]
 
 
 # ---------------------------------------------------------------------- result
@@ -235,10 +236,11 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None)
 
 
 # ---------------------------------------------------------------------- greedy
-def _greedy_last(tab: _Tables, node_tokens: torch.Tensor, target_logits: torch.Tensor):
+def _greedy_last(tab: _Tables, node_tokens: torch.Tensor, target_logits: torch.Tensor | None,
+                 argmax: torch.Tensor | None = None):
     """(last accepted slot [B], bonus [B]) of greedy verification; loops over depths only."""
     B = node_tokens.shape[0]
-    argmax = target_logits.argmax(-1)                                      # [B, S]
+    argmax = target_logits.argmax(-1) if argmax is None else argmax       # [B, S]
     ok = torch.zeros(argmax.shape, dtype=torch.bool, device=argmax.device)
     ok[:, 0] = True
     for d in range(1, tab.max_depth + 1):
@@ -267,6 +269,18 @@ def greedy_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
     _check_shapes(tree, node_tokens, target_logits)
     tab = _tables(tree, target_logits.device)
     last, bonus = _greedy_last(tab, node_tokens.to(target_logits.device), target_logits)
+    return _result(tab, last, bonus)
+
+
+def greedy_verify_argmax(tree: DecodingTree, node_tokens: torch.Tensor, target_argmax: torch.Tensor) -> VerifyResult:
+    """:func:`greedy_verify` from the target's argmax per slot ([B, 1 + N] int) instead of its logits
+    (a serving engine takes the argmax of its whole logits tensor once, without copying rows)."""
+    B, N = node_tokens.shape
+    if N != tree.num_nodes or tuple(target_argmax.shape) != (B, tree.num_slots):
+        raise ValueError(f"greedy_verify_argmax: node_tokens [B, {tree.num_nodes}] and target_argmax "
+                         f"[B, {tree.num_slots}] expected, got {list(node_tokens.shape)}, {list(target_argmax.shape)}")
+    tab = _tables(tree, target_argmax.device)
+    last, bonus = _greedy_last(tab, node_tokens.to(target_argmax.device), None, target_argmax.long())
     return _result(tab, last, bonus)
 
 

@@ -195,6 +195,37 @@ def test_kv_compaction_rows_with_counts():
         plane_table([caches[0, 0], caches[0, 0, :2]])
 
 
+def test_tree_mode_compaction_through_the_kernel(monkeypatch):
+    """vLLM tree mode's compaction (falcon_vllm.vllm.tree_mode.compact_kv) on FLASH_ATTN-layout layer caches
+    goes through one kv_compaction launch for all layers (on CUDA by default; forced here) and moves what
+    the per-layer index copies move.  The plane pointer table is built once and reused."""
+    pytest.importorskip("vllm")
+    import falcon_vllm.kernels.kv_compaction as kvc
+    from falcon_vllm.vllm import tree_mode
+
+    caches, src, dst, want = _compaction_case()                 # [2, blocks, bs, H, D] per layer
+
+    def to_flash(c):  # vLLM 0.32's FLASH_ATTN layer cache: the logical [blocks, H, bs, 2D] view
+        return torch.cat([c[0], c[1]], -1).transpose(1, 2)
+
+    def from_flash(kv):  # K and V as FlashAttention reads them
+        return torch.stack(kv.transpose(1, 2).split(kv.shape[-1] // 2, dim=-1))
+
+    launches = []
+    monkeypatch.setattr(kvc, "kv_compaction", lambda *a, **kw: launches.append(a) or kv_compaction(*a, **kw))
+    layers = [to_flash(c).to(DEV) for c in caches]
+    holder = type("Runner", (), {})()
+    for _ in range(2):
+        for c, layer in zip(caches, layers):
+            layer.copy_(to_flash(c))
+        tree_mode.compact_kv([(kv, "flash") for kv in layers], src.to(DEV), dst.to(DEV), cache=holder, kernel=True)
+        assert torch.equal(torch.stack([from_flash(kv) for kv in layers]).cpu(), want)
+    assert len(launches) == 2 and launches[0][0] is launches[1][0]       # one launch per step, table reused
+    loop = [to_flash(c) for c in caches]
+    tree_mode.compact_kv([(kv, "flash") for kv in loop], src, dst, kernel=False)
+    assert torch.equal(torch.stack([from_flash(kv) for kv in loop]), want) and len(launches) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tree_attention_on_gpu():
     args = [a.cuda() for a in _case([2048], [build_tree("falcon-llama", 2)], 32, 32, 128, torch.float16)]

@@ -122,8 +122,10 @@ def test_verify_tree_attention_matches_dense_oracle(case):
     class MD:  # what VerifyTreeAttention reads of the backend's metadata
         seq_lens = torch.tensor([case["plens"][0] + W[0], case["plens"][1] + W[1]], dtype=torch.int32)
         block_table = case["table"]
+        max_seq_len = int(seq_lens.max())
 
-    att = tree_mode.VerifyTreeAttention(list(range(qsl[-1])), [0, 1], qsl, bits, "cpu")
+    # whole=False: a batch whose other rows (here a request without a tree) keep the stock kernel's output
+    att = tree_mode.VerifyTreeAttention(list(range(qsl[-1])), [0, 1], qsl, bits, "cpu", whole=False)
     kv = case["caches"][0]
     out = torch.full((n, HQ * d), 7.0)
     att.attend(impl, _Layer("l0", "vec"), q, k, v, kv, MD, out)

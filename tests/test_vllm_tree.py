@@ -117,6 +117,7 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes)
     assert d["num_drafts"] > 0
     if name == "tuned_k3":  # the tune-tree file shrinks the tree as the batch grows
         assert {(1, 40), (3, 12)} <= set(sizes) and all(B < 6 for B, _ in sizes)
+        assert prop.skipped_steps > 0  # batch 8 drafts nothing: the runner's fast path skipped drafting
         assert 12 * d["num_drafts"] < d["num_draft_tokens"] < 40 * d["num_drafts"]
     else:
         assert {K for _, K in sizes} == {nodes} and d["num_draft_tokens"] == nodes * d["num_drafts"]
@@ -136,40 +137,46 @@ def test_logprobs_match_vanilla(engines, ckpts):
             assert all(abs(gs[t] - rs[t]) < 1e-4 for t in rs), (gs, rs)
 
 
-def test_tree_drafts_match_reference_engine(engines, ckpts):
-    """vLLM's SAR tree drafting (paged prefix + step-local ancestor blocks) equals the reference engine's."""
+@pytest.mark.parametrize("batch", [[1], [1, 3, 7]])
+def test_tree_drafts_match_reference_engine(engines, ckpts, batch):
+    """vLLM's SAR tree drafting (paged prefix + step-local ancestor blocks, one batched attention call per
+    drafter pass over all requests and blocks) equals the reference engine's, request by request."""
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.reference import FalconReferenceEngine
 
     llm = engines.get("llama")
     prop = drafter_of(llm)
-    log, orig = [], prop.propose
+    log, orig = {}, prop.propose
 
     def propose(*a, **kw):
         out = orig(*a, **kw)
-        log.append(out.tolist())
+        for rid, row in zip(prop._runner.input_batch.req_ids, out.tolist()):
+            log.setdefault(rid, []).append(row)
         return out
 
+    prompts = [PROMPTS[i] for i in batch]
     prop.propose = propose
     try:
-        p = PROMPTS[1]
-        tokens, _ = _greedy(llm, [p], n=16)
+        tokens, outs = _greedy(llm, prompts, n=16)
     finally:
         del prop.propose
     drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_k2"))
-    eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree="falcon-llama")
-    ref_drafts, draft = [], eng._draft
+    for p, toks, o in zip(prompts, tokens, outs):
+        eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree="falcon-llama")
+        ref_drafts, draft = [], eng._draft
 
-    def record(*a, **kw):
-        out = draft(*a, **kw)
-        ref_drafts.append(out.tolist())
-        return out
+        def record(*a, **kw):
+            out = draft(*a, **kw)
+            ref_drafts.append(out.tolist())
+            return out
 
-    eng._draft = record
-    assert eng.generate(p, max_new_tokens=16).tokens == tokens[0]
-    ours = [step[0] for step in log]
-    n = min(len(ours), len(ref_drafts)) - 1
-    assert n >= 10 and ours[:n] == ref_drafts[:n]
+        eng._draft = record
+        assert eng.generate(p, max_new_tokens=16).tokens == toks
+        ours = [v for rid, v in log.items() if rid.rsplit("-", 1)[0] == o.request_id]  # internal id: external-xxx
+        assert len(ours) == 1
+        ours = ours[0]
+        n = min(len(ours), len(ref_drafts)) - 1
+        assert n >= 10 and ours[:n] == ref_drafts[:n], p
 
 
 def _oracle(prop, truth: dict, path):

@@ -86,7 +86,8 @@ def _check_internals() -> None:
     if missing := [f for f in _CAD_FIELDS if f not in fields]:
         _fail(f"CommonAttentionMetadata lacks {missing}")
     # tree mode (falcon_vllm.vllm.tree_mode) wraps these
-    for name in ("_prepare_inputs", "_sample", "sample_tokens", "take_draft_token_ids"):
+    for name in ("_prepare_inputs", "_sample", "sample_tokens", "take_draft_token_ids", "propose_draft_token_ids",
+                 "_copy_valid_sampled_token_count"):
         if not callable(getattr(gmr.GPUModelRunner, name, None)):
             _fail(f"GPUModelRunner.{name} is missing")
     if "hidden_states" not in getattr(gmr.ExecuteModelState, "_fields", ()):
@@ -110,6 +111,7 @@ def install() -> None:
     _wrap_create_speculative_config(EngineArgs)
     _wrap_cli(EngineArgs)
     _swap_proposer()
+    _wrap_propose_draft_token_ids()
     from falcon_vllm.vllm import tree_mode
 
     tree_mode.install()
@@ -223,3 +225,35 @@ def _swap_proposer():
     from falcon_vllm.vllm.proposer import FalconProposer
 
     gmr.EagleProposer = FalconProposer
+
+
+def _wrap_propose_draft_token_ids():
+    """No-drafts fast path: when vLLM's dynamic speculation schedules no draft tokens for the next step
+    (``num_speculative_tokens_per_batch_size``, e.g. a tune-tree fit at this batch size), a Falcon
+    runner skips vLLM's drafter input preparation (next-token gather, padded-batch metadata, hidden-state
+    hand-off) as well as the drafter itself, and keeps only what vLLM does when it skips a drafter
+    (the valid-token count of async scheduling).  The step then costs what a vanilla step costs."""
+    import torch
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    from falcon_vllm.vllm.proposer import FalconProposer
+
+    runner_cls = gmr.GPUModelRunner
+    orig = runner_cls.propose_draft_token_ids
+    if getattr(orig, "_falcon", False):
+        return
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if (not isinstance(drafter, FalconProposer) or not drafter.falcon
+                or scheduler_output.num_spec_tokens_to_schedule != 0):
+            return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):
+            next_ids, counts = drafter.prepare_next_token_ids_padded(
+                sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)
+            self._copy_valid_sampled_token_count(next_ids, counts)
+        drafter.skipped_steps += 1
+        return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
+
+    propose_draft_token_ids._falcon = True
+    runner_cls.propose_draft_token_ids = propose_draft_token_ids

@@ -68,6 +68,7 @@ class FalconProposer(EagleProposer):
         self.k = int(self.falcon["k"]) if self.falcon else 1
         self.steps = 0   # propose() calls that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
+        self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         if not self.falcon:
             return
@@ -170,7 +171,7 @@ class FalconProposer(EagleProposer):
         outs = [rows]
         nodes = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=rows.device)
         prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
-        attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k)
+        attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k, max_prefix=cad.max_seq_len)
         chains: list[torch.Tensor] = []
         for p, plan in enumerate(tree.passes[1:], start=1):
             sel = src[:, 0] == p - 1

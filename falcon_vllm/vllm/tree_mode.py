@@ -7,9 +7,12 @@ A step of tree mode looks like this (the proposer side is in :mod:`falcon_vllm.v
    consecutive KV slots as for a chain).
 2. ``_prepare_inputs`` (wrapped): the positions of the node tokens are rewritten to
    ``root position + depth``, and the tree-attention context is armed for this forward.
-3. Target attention (the backend's ``forward``, wrapped): rows of tree requests are recomputed
-   over the paged prefix plus the in-flight tokens under the ancestor mask
-   (``kernels/tree_attention.py``: the Triton kernel on CUDA, its torch reference on CPU).
+3. Target attention (the backend's ``forward``, wrapped): every token's attention is computed once.
+   When the batch holds only trees and short queries, the tree path serves every row (tree requests
+   over the paged prefix plus their in-flight tokens under the ancestor mask, the others causally)
+   and the stock kernel is skipped (CUDA: the Triton kernel of ``kernels/tree_attention.py``; CPU: one
+   batched masked SDPA per layer).  A batch with a prefill chunk runs the stock kernel and recomputes
+   the tree requests' rows only.
 4. ``_sample`` (wrapped): the tree sampler (greedy or lossless recursive rejection sampling from
    :mod:`falcon_vllm.verify`) replaces vLLM's chain rejection sampler.  It emits the accepted
    path's tokens + the bonus token in vLLM's output format.
@@ -20,8 +23,9 @@ A step of tree mode looks like this (the proposer side is in :mod:`falcon_vllm.v
    next chunk pass (which rewrites the drafter's K/V for the accepted positions) all stay correct.
 
 The drafter's SAR tree passes attend to the drafter's paged prefix, their ancestor blocks and
-themselves; their K/V live only for the step (:class:`DraftTreeAttention`), never in the paged
-cache.
+themselves, in one batched attention call per layer and pass; their K/V live only for the step
+(:class:`DraftTreeAttention`), never in the paged cache.  Compaction on CUDA is one launch of
+``kernels/kv_compaction.py`` for all layers; the tree sampler copies logits in bounded chunks.
 
 All hooks check ``runner.drafter.tree``; runners without a Falcon tree are untouched.
 """
@@ -34,9 +38,10 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from falcon_vllm.kernels.tree_attention import pack_tree_mask, tree_attention_ref
+from falcon_vllm.kernels.tree_attention import (causal_tree_bits, pack_tree_mask, tree_attention_ref,
+                                                unpack_tree_bits)
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.verify import greedy_verify, sample_verify
+from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_verify
 
 logger = init_logger(__name__)
 
@@ -150,75 +155,169 @@ def _attn_fn(q: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------- attention contexts
-class VerifyTreeAttention:
-    """Target forward of a tree step: recompute the tree requests' rows under the ancestor mask."""
+# A request without a tree whose query is at most this long (a decode row, a short chunk) is served by the
+# tree-attention path with a causal mask, so the stock kernel can be skipped for the whole batch; a batch
+# holding a longer query (a prefill chunk) runs the stock kernel and recomputes only the tree rows.
+MAX_CAUSAL_ROWS = 64
 
-    def __init__(self, rows, req_idx, qsl, bits, device):
-        self.rows = torch.as_tensor(rows, dtype=torch.long, device=device)        # token rows (root first)
-        self.req_idx = torch.as_tensor(req_idx, dtype=torch.long, device=device)  # request of each tree
+
+class VerifyTreeAttention:
+    """Target attention of a tree step, computed once per token.
+
+    ``whole`` (the usual case: every request is a tree or a short causal query): the tree path
+    serves every row of the batch (non-tree requests under a causal mask) and the stock kernel is
+    skipped.  Otherwise (a prefill chunk in the batch) the stock kernel runs and only the tree
+    requests' rows are recomputed under their ancestor mask.  No host sync inside a layer: the query
+    lengths are known on the host, the longest prefix is bounded by the metadata's ``max_seq_len``.
+    """
+
+    def __init__(self, rows, req_idx, qsl, bits, device, whole: bool):
+        self.whole = whole
+        self.total = int(qsl[-1])
+        self.rows = (slice(0, self.total) if whole
+                     else torch.as_tensor(rows, dtype=torch.long, device=device))  # token rows (root first)
+        self.req_idx = (slice(0, len(qsl) - 1) if whole
+                        else torch.as_tensor(req_idx, dtype=torch.long, device=device))  # request of each tree
         self.qlens = torch.as_tensor(np.diff(qsl), dtype=torch.int32, device=device)
         self.qsl = torch.as_tensor(qsl, dtype=torch.int32, device=device)
         self.bits = bits.to(device)
         self.max_w = int(np.diff(qsl).max())
+        self._md = None  # the metadata the cached prefix lengths / block table belong to
+        self._prefix = self._table = None
 
     def attend(self, impl, layer, q, k, v, kv_cache, md, output):
         kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
         H, D = q.shape[1], q.shape[2]
-        prefix = (md.seq_lens[self.req_idx] - self.qlens).to(torch.int32)
-        res = _attn_fn(q)(q[self.rows], k[self.rows], v[self.rows], kc, vc,
-                          md.block_table[self.req_idx], prefix, self.qsl, self.bits, impl.scale,
-                          max_query_len=self.max_w)
-        output.view(-1, H, D)[self.rows] = res.to(output.dtype)
+        if self._md is not md:  # once per KV-cache group and forward, not per layer
+            self._md = md
+            self._prefix = (md.seq_lens[self.req_idx] - self.qlens).to(torch.int32)
+            self._table = md.block_table[self.req_idx]
+        out = output.view(-1, H, D)
+        if self.whole:
+            n = self.total
+            if not q.is_cuda:  # CPU: one batched call per layer (padded requests) instead of a loop over them
+                out[:n] = self._dense(q, k, v, kc, vc, impl.scale).to(out.dtype)
+                return
+            _attn_fn(q)(q[:n], k[:n], v[:n], kc, vc, self._table, self._prefix, self.qsl, self.bits, impl.scale,
+                        out=out[:n], max_query_len=self.max_w, max_prefix_len=int(md.max_seq_len))
+            return
+        res = _attn_fn(q)(q[self.rows], k[self.rows], v[self.rows], kc, vc, self._table, self._prefix, self.qsl,
+                          self.bits, impl.scale, max_query_len=self.max_w, max_prefix_len=int(md.max_seq_len))
+        out[self.rows] = res.to(output.dtype)
+
+    def _dense_plan(self, bs: int):
+        """Per forward: padded row index [B, Wmax], valid rows, and the mask [B, Wmax, P + Wmax]."""
+        if getattr(self, "_plan_md", None) is self._md:
+            return self._plan
+        qsl = self.qsl.long()
+        B, W = self.qlens.shape[0], self.max_w
+        P = max(int(self._prefix.max()), 1)                                     # CPU: no device to wait for
+        i = torch.arange(W)
+        valid = i[None] < self.qlens[:, None]                                   # [B, W]
+        idx = torch.where(valid, qsl[:-1, None] + i[None], 0)
+        inflight = unpack_tree_bits(self.bits, W)[idx] & valid[:, :, None]     # [B, W, W]
+        inflight |= torch.eye(W, dtype=torch.bool)[None] & ~valid[:, :, None]  # padding rows see themselves
+        prefix = (torch.arange(P)[None] < self._prefix[:, None])[:, None].expand(B, W, P)
+        nblk = (P + bs - 1) // bs
+        self._plan = (idx, valid, torch.cat([prefix, inflight], 2), P, self._table[:, :nblk].long())
+        self._plan_md = self._md
+        return self._plan
+
+    def _dense(self, q, k, v, kc, vc, scale):
+        idx, valid, mask, P, blocks = self._dense_plan(kc.shape[1])
+        B, W = idx.shape
+        hkv, D = kc.shape[2], kc.shape[3]
+        pk = kc[blocks].reshape(B, -1, hkv, D)[:, :P]
+        pv = vc[blocks].reshape(B, -1, hkv, D)[:, :P]
+        o = dense_attention(q[idx], torch.cat([pk, k[idx]], 1), torch.cat([pv, v[idx]], 1), mask, scale)
+        return o[valid]                                                         # [T, H, D], request order
+
+
+def dense_attention(q, keys, values, mask, scale):
+    """One batched attention call: q [B, Q, H, D], keys/values [B, L, Hkv, D], mask [B or 1, Q, L] bool."""
+    H, hkv = q.shape[2], keys.shape[2]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=mask[:, None], scale=scale, enable_gqa=H != hkv)
+    return o.transpose(1, 2)                                                   # [B, Q, H, D]
 
 
 class DraftTreeAttention:
-    """The drafter's SAR tree passes of one step.
+    """The drafter's SAR tree passes of one step, batched: one attention call per layer and pass.
 
     Block j of request r in pass t sees the drafter's paged prefix of r (``prefix_lens[r]``
     positions), the K/V of its ancestor blocks from the earlier tree passes of this step (kept
-    here, never written to the paged cache), and its own k tokens (non-causal).
+    here, never written to the paged cache), and its own k tokens (non-causal).  Every request's
+    prefix is gathered once per layer and step into a padded [B, P_max] tensor; the keys of a pass
+    are [prefix | all blocks of the earlier passes | this pass's blocks] with one boolean mask
+    (prefix length per request, ancestor blocks and own block per query row) shared by all layers.
     """
 
-    def __init__(self, block_table: torch.Tensor, prefix_lens: torch.Tensor, k: int):
+    def __init__(self, block_table: torch.Tensor, prefix_lens: torch.Tensor, k: int,
+                 max_prefix: int | None = None):
         self.block_table = block_table
-        self.prefix_lens = prefix_lens.tolist()
+        self.prefix_lens = prefix_lens
         self.B, self.k = block_table.shape[0], k
+        # the padded prefix length: exact on CPU (no device to wait for), a host-side bound on GPU
+        if max_prefix is None or not prefix_lens.is_cuda:
+            max_prefix = int(prefix_lens.max()) if self.B else 0
+        self.P = max(int(max_prefix), 1)
         self.store: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.chain: torch.Tensor | None = None  # [nb, passes so far] ancestor block per earlier pass
-        self._prefix: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.nb = 0
+        self.mask: torch.Tensor | None = None   # [B, nb * k, P + keys of earlier passes + nb * k]
+        self._sizes: list[int] = []             # blocks of each pass begun so far
+        self._prefix: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pmask = (torch.arange(self.P, device=prefix_lens.device)[None] < prefix_lens[:, None])[:, None]
 
     def begin_pass(self, chain: torch.Tensor) -> None:
-        self.chain = chain.tolist()
-        self.nb = chain.shape[0]
+        """chain [nb, passes so far]: the ancestor block of each block in every earlier pass."""
+        nb, t = chain.shape
+        k = self.k
+        sizes = self._sizes
+        if len(sizes) != t:
+            raise ValueError(f"begin_pass: {t} earlier passes in the chain, {len(sizes)} passes run")
+        self._sizes = sizes + [nb]
+        self.nb = nb
+        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) * k
+        hist = int(offs[-1])
+        own = torch.zeros(nb * k, hist + nb * k, dtype=torch.bool)
+        rows = torch.arange(nb * k)
+        blk = rows // k
+        ch = chain.cpu().long()
+        for s in range(t):                       # ancestor block of pass s: its k keys
+            cols = int(offs[s]) + ch[blk, s][:, None] * k + torch.arange(k)[None]
+            own[rows[:, None], cols] = True
+        own[rows[:, None], hist + blk[:, None] * k + torch.arange(k)[None]] = True   # own block, non-causal
+        dev = self.prefix_lens.device
+        self.mask = torch.cat([self._pmask.expand(self.B, nb * k, self.P),
+                               own.to(dev)[None].expand(self.B, -1, -1)], dim=2)
+
+    def _padded_prefix(self, name, kc, vc):
+        if name not in self._prefix:
+            bs = kc.shape[1]
+            nblk = (self.P + bs - 1) // bs
+            blocks = self.block_table[:, :nblk].long()                              # [B, nblk]
+            hkv, D = kc.shape[2], kc.shape[3]
+            pk = kc[blocks].reshape(self.B, nblk * bs, hkv, D)[:, : self.P]
+            pv = vc[blocks].reshape(self.B, nblk * bs, hkv, D)[:, : self.P]
+            self._prefix[name] = (pk, pv)
+        return self._prefix[name]
 
     def attend(self, impl, layer, q, key, value, kv_cache, output):
         name = layer.layer_name
         B, nb, k = self.B, self.nb, self.k
         n = B * nb * k
         H, D, hkv = q.shape[1], q.shape[2], key.shape[1]
-        own_k = key[:n].reshape(B, nb, k, hkv, D)
-        own_v = value[:n].reshape(B, nb, k, hkv, D)
+        own_k = key[:n].reshape(B, nb * k, hkv, D)
+        own_v = value[:n].reshape(B, nb * k, hkv, D)
         hist = self.store.setdefault(name, [])
-        out = output.view(-1, H, D)
         kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
-        bs = kc.shape[1]
-        for r in range(B):
-            pk, pv = self._prefix.get((name, r), (None, None))
-            if pk is None:
-                P = self.prefix_lens[r]
-                blocks = self.block_table[r, :(P + bs - 1) // bs].long()
-                pk = kc[blocks].reshape(-1, hkv, D)[:P]
-                pv = vc[blocks].reshape(-1, hkv, D)[:P]
-                self._prefix[(name, r)] = (pk, pv)
-            for j in range(nb):
-                anc = self.chain[j]
-                ks = [pk] + [hist[t][0][r, anc[t]] for t in range(len(hist))] + [own_k[r, j]]
-                vs = [pv] + [hist[t][1][r, anc[t]] for t in range(len(hist))] + [own_v[r, j]]
-                rows = slice((r * nb + j) * k, (r * nb + j + 1) * k)
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q[rows].float().transpose(0, 1), torch.cat(ks).float().transpose(0, 1),
-                    torch.cat(vs).float().transpose(0, 1), scale=impl.scale, enable_gqa=H != hkv)
-                out[rows] = o.transpose(0, 1).to(out.dtype)
+        pk, pv = self._padded_prefix(name, kc, vc)
+        keys = torch.cat([pk] + [h[0] for h in hist] + [own_k], dim=1)
+        vals = torch.cat([pv] + [h[1] for h in hist] + [own_v], dim=1)
+        o = dense_attention(q[:n].reshape(B, nb * k, H, D), keys, vals, self.mask, impl.scale)
+        out = output.view(-1, H, D)
+        out[:n] = o.reshape(n, H, D).to(out.dtype)
         hist.append((own_k.clone(), own_v.clone()))
         return output
 
@@ -239,9 +338,13 @@ def _wrap_attention_impl(cls) -> None:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
         if CTX.draft is not None:
             return CTX.draft.attend(self, layer, query, key, value, kv_cache, output)
+        verify = CTX.verify if attn_metadata is not None else None
+        if verify is not None and verify.whole:  # the tree path serves every row: the stock kernel is skipped
+            verify.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
+            return output
         result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if CTX.verify is not None and attn_metadata is not None:
-            CTX.verify.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        if verify is not None:
+            verify.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
         return result
 
     forward._falcon = True
@@ -290,6 +393,12 @@ class SubtreeCache:
             self._prefix[(K, w)] = DecodingTree(full.to_list()[:w], full.k, f"{full.name}[:{w}]")
         return self._prefix[(K, w)]
 
+    def causal_bits(self, width: int, words: int) -> torch.Tensor:
+        key = (-1, width, words)
+        if key not in self._bits:
+            self._bits[key] = causal_tree_bits(width, words)
+        return self._bits[key]
+
     def bits(self, K: int, w: int, words: int) -> torch.Tensor:
         key = (K, w, words)
         if key not in self._bits:
@@ -323,13 +432,17 @@ def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
         roots_t = torch.from_numpy(np.concatenate(roots)).to(dev)
         runner.positions[rows_t] = runner.positions[roots_t] + torch.from_numpy(np.concatenate(depth)).to(
             dev, runner.positions.dtype)
-        # the attention context of this forward: tree requests, root first
-        qlens = widths[trees] + 1
+        # the attention context of this forward: every request when the others are short causal queries
+        # (the tree path then serves the whole batch), else the tree requests only, root first
+        whole = all(widths[r] > 0 or n_sched[r] <= MAX_CAUSAL_ROWS for r in range(len(widths)))
+        reqs = list(range(len(widths))) if whole else trees
+        qlens = np.where(widths[reqs] > 0, widths[reqs] + 1, n_sched[reqs])
         qsl = np.concatenate([[0], np.cumsum(qlens)])
         words = (int(qlens.max()) + 31) // 32
-        bits = torch.cat([drafter.subtrees.bits(drafter.drafted_k, int(widths[r]), words) for r in trees])
-        all_rows = np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
-        CTX.verify = VerifyTreeAttention(all_rows, trees, qsl, bits, dev)
+        bits = torch.cat([drafter.subtrees.bits(drafter.drafted_k, int(widths[r]), words) if widths[r] > 0
+                          else drafter.subtrees.causal_bits(int(n_sched[r]), words) for r in reqs])
+        all_rows = None if whole else np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
+        CTX.verify = VerifyTreeAttention(all_rows, trees, qsl, bits, dev, whole)
     return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping)
 
 
@@ -376,6 +489,51 @@ def _plain_requests(runner, widths) -> list[int]:
             or not tree_drafts_for(getattr(runner.requests.get(reqs[r]), "sampling_params", None))]
 
 
+# fp32 logits a sampling chunk copies at most (64 MiB; top-k/top-p processing adds a few buffers of the same
+# size): the tree sampler's memory stays bounded whatever the batch, tree and vocabulary, so vLLM's
+# profiling run (which never sees a tree step) does not have to reserve it.
+SAMPLER_MAX_ELEMS = 1 << 24
+
+
+def verify_requests(tree: DecodingTree | None, nodes, logits: torch.Tensor, starts: torch.Tensor, temperature=None,
+                    top_k=None, top_p=None, generator=None, argmax: torch.Tensor | None = None,
+                    max_elems: int | None = None):
+    """Verify G requests with the same tree whose ``1 + w`` logits rows start at ``starts`` [G] of ``logits``
+    [T, V] (``tree`` None: w = 0, plain sampling of one token).  Returns (tokens [G, 1 + w] int64, -1
+    padded; accepted slots per request).
+
+    Greedy (``temperature`` None) reads only ``argmax`` [T] (computed once per step).  Sampling copies
+    the rows in chunks of requests holding at most ``max_elems`` fp32 logits.
+    """
+    G, dev = starts.shape[0], logits.device
+    w = 0 if tree is None else tree.num_nodes
+    rows = starts[:, None] + torch.arange(w + 1, device=dev)                     # [G, 1+w]
+    if temperature is None:
+        am = (logits.argmax(-1) if argmax is None else argmax)[rows]
+        if tree is None:
+            return am, [[] for _ in range(G)]
+        res = greedy_verify_argmax(tree, nodes, am)
+        return res.output_token_ids(nodes, width=w + 1).to(dev), res.accepted_slots
+    V = logits.shape[-1]
+    budget = SAMPLER_MAX_ELEMS if max_elems is None else max_elems
+    chunk = max(1, budget // ((w + 1) * V))
+    toks, accepted = [], []
+    for c in range(0, G, chunk):
+        sl = slice(c, c + chunk)
+        pick = lambda x: None if x is None else x[sl]  # noqa: E731
+        lg = logits[rows[sl]].float()                                             # [g, 1+w, V]
+        t, tk, tp = pick(temperature), pick(top_k), pick(top_p)
+        if tree is None:
+            p = probs_from_logits(lg[:, 0], t, tk, tp)
+            toks.append(torch.multinomial(p, 1, generator=generator))
+            accepted += [[] for _ in range(lg.shape[0])]
+            continue
+        res = sample_verify(tree, nodes[sl], lg, t, tk, tp, generator=generator)
+        toks.append(res.output_token_ids(nodes[sl], width=w + 1).to(dev))
+        accepted += res.accepted_slots
+    return torch.cat(toks), accepted
+
+
 def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
     """Verify each request's tree, compact the accepted path, return vLLM's ``SamplerOutput``."""
     from vllm.v1.outputs import SamplerOutput
@@ -399,26 +557,21 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
     groups: dict[tuple, list[int]] = {}
     for r in sorted(set(range(B)) - set(plain)):
         groups.setdefault((int(widths[r]), r if r in gens else -1), []).append(r)
+    argmax = logits.argmax(-1) if temp is None else None  # greedy: one pass over the logits, no copy
     for (w, seeded), reqs in groups.items():
         idx = torch.tensor(reqs, dtype=torch.long, device=dev)
         starts = torch.from_numpy(cu_s[reqs] - w - 1).to(dev)
-        lg = logits[starts[:, None] + torch.arange(w + 1, device=dev)].float()   # [G, 1+w, V]
-        gen = gens.get(seeded)
         t = None if temp is None else temp[idx]
         tk = None if sm.top_k is None else sm.top_k[idx]
         tp = None if sm.top_p is None else sm.top_p[idx]
-        dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)
+        dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)              # plain requests (w = 0) are done above
         nodes = draft[dstart[:, None] + torch.arange(w, device=dev)]                # [G, w]
         sub = drafter.subtrees.prefix(drafter.drafted_k, w)
-        if t is None:
-            res = greedy_verify(sub, nodes, lg)
-        else:
-            res = sample_verify(sub, nodes, lg, t, tk, tp, generator=gen)
-        toks = res.output_token_ids(nodes, width=w + 1).to(dev, torch.int32)
-        out[idx, : w + 1] = toks
+        toks, accepted = verify_requests(sub, nodes, logits, starts, t, tk, tp, gens.get(seeded), argmax)
+        out[idx, : w + 1] = toks.to(torch.int32)
         for i, r in enumerate(reqs):
-            if res.accepted_slots[i]:
-                paths[r] = res.accepted_slots[i]
+            if accepted[i]:
+                paths[r] = accepted[i]
     logprobs = None
     if sm.max_num_logprobs is not None:
         logprobs = _logprobs(runner, logits, out, cu_s - widths - 1, paths, sm.max_num_logprobs)
@@ -448,25 +601,58 @@ def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> No
     src, dst = [], []
     for r, path in paths.items():
         root = int(step.root_rows[r])
-        src += [root + s for s in path]
-        dst += [root + 1 + i for i in range(len(path))]
+        for i, s in enumerate(path):
+            if s != i + 1:  # already in place otherwise (decided on the host: no device sync)
+                src.append(root + s)
+                dst.append(root + 1 + i)
+    if not src:
+        return
     dev = runner.positions.device
     src_t = torch.tensor(src, dtype=torch.long, device=dev)
     dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
-    moved = src_t != dst_t
-    if not bool(moved.any()):
-        return
-    src_t, dst_t = src_t[moved], dst_t[moved]
     slots_src = step.slot_mapping[src_t].long()
     slots_dst = step.slot_mapping[dst_t].long()
-    for kv, layout in _target_kv_caches(runner, drafter):
-        copy_kv_slots(kv, layout, slots_src, slots_dst)
+    compact_kv(_target_kv_caches(runner, drafter), slots_src, slots_dst, cache=runner)
     ids = runner.input_ids.gpu
     ids[dst_t] = ids[src_t]
     runner.positions[dst_t] = runner.positions[src_t]
     hidden = getattr(runner, "_falcon_hidden_states", None)
     if hidden is not None:
         hidden[dst_t] = hidden[src_t]
+
+
+def _use_compaction_kernel(kvs) -> bool:
+    """The one-launch Triton compaction serves CUDA caches in the FLASH_ATTN layout."""
+    if not kvs or not all(kv.is_cuda and layout == "flash" for kv, layout in kvs):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compact_kv(kvs: list[tuple[torch.Tensor, str]], src: torch.Tensor, dst: torch.Tensor, cache=None,
+               kernel: bool | None = None) -> None:
+    """Copy flat slots ``src`` -> ``dst`` in every layer's K and V (dst <= src, dst increasing per request).
+
+    On CUDA (FLASH_ATTN layout) one launch of ``kernels/kv_compaction.py`` moves all layers; elsewhere
+    two index copies per layer.  ``kernel`` overrides the choice (tests run the Triton kernel under
+    ``TRITON_INTERPRET=1`` on CPU tensors); ``cache`` keeps the kernel's plane pointer table.
+    """
+    if not (_use_compaction_kernel(kvs) if kernel is None else kernel):
+        for kv, layout in kvs:
+            copy_kv_slots(kv, layout, src, dst)
+        return
+    from falcon_vllm.kernels.kv_compaction import kv_compaction, plane_table
+
+    key = tuple(kv.data_ptr() for kv, _ in kvs)
+    table = getattr(cache, "_falcon_plane_table", None)
+    if table is None or table[0] != key:  # cache tensors do not move: built once
+        table = (key, plane_table([p for kv, layout in kvs for p in paged_kv(kv, layout)]))
+        if cache is not None:
+            cache._falcon_plane_table = table
+    kv_compaction(table[1], src.contiguous(), dst.contiguous())
 
 
 def install_runner_hooks() -> None:

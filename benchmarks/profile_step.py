@@ -1,0 +1,316 @@
+#!/usr/bin/env python
+"""Per-component cost of one decoding step in vLLM: vanilla vs falcon chain vs falcon tree.
+
+Each configuration runs in an in-process engine (eager, fp32, prefix caching off) over the first B
+MT-Bench questions (B = --batch-sizes, submitted together, --max-new-tokens each, EOS ignored), after
+one untimed warm-up.  Wall-clock timers wrap (inclusive times, summed over the timed generations):
+
+  step            LLMEngine.step (scheduler, model runner, output processing): the whole step
+  target forward  the runner's _model_forward (the target's layers, attention included)
+  attention       the target's attention backend forward (stock kernel and/or tree path), per layer
+  tree attention  the tree path of the target's attention (falcon_vllm.vllm.tree_mode.VerifyTreeAttention)
+  lm head         the target's compute_logits
+  sampler         the runner's _sample (vLLM's sampler / rejection sampler, or the tree sampler)
+  compaction      tree mode's K/V + buffer compaction (inside the sampler)
+  drafting        the runner's propose_draft_token_ids (vLLM's drafter input preparation + the proposer)
+  drafter passes  the Falcon/EAGLE proposer's propose (the drafter's forward passes, in its own layers)
+  bookkeeping     step - target forward - lm head - sampler - drafting (scheduling, input preparation,
+                  output processing: everything vLLM does around the model)
+
+Reported per step (ms) and as a share of the step.  ``--compare DIR`` runs the same configurations
+with the code of another checkout of this repository (its directory put first on PYTHONPATH, e.g. a
+``git worktree`` of an older commit), in separate processes alternating with this one, so "before" and
+"after" come from the same run on the same machine.  Only differences within one run mean anything
+on a shared CPU.
+
+  python benchmarks/profile_step.py --configs vanilla,chain,tree:tree-2x2x1 --batch-sizes 1,4,16 \\
+      --max-new-tokens 16 --name profile_step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, ".."))
+COMPONENTS = ("step", "target forward", "attention", "tree attention", "lm head", "sampler", "compaction",
+              "drafting", "drafter passes", "bookkeeping")
+
+
+# ------------------------------------------------------------------------------------------ timers
+class Timers:
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.on = False
+
+    def wrap(self, owner, attr, name, when=None):
+        """Time ``owner.attr`` (a class or an instance) as component ``name`` while timing is on."""
+        orig = getattr(owner, attr)
+        timers = self
+
+        def timed(*a, **kw):
+            if not timers.on or (when is not None and not when()):
+                return orig(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                timers.total[name] += time.perf_counter() - t0
+                timers.calls[name] += 1
+
+        for flag in ("_falcon",):
+            if hasattr(orig, flag):
+                setattr(timed, flag, getattr(orig, flag))
+        setattr(owner, attr, timed)
+        return orig
+
+
+def _spec(cfg: str, drafter: str, num_spec_tokens: int):
+    kind, _, arg = cfg.partition(":")
+    if kind == "vanilla":
+        return None
+    if kind == "chain":
+        return {"method": "falcon", "model": drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
+    if kind == "tree":
+        tree = arg or "tree-2x2x1"
+        if tree.endswith(".json") and not os.path.isabs(tree):
+            tree = os.path.join(ROOT, tree)
+        return {"method": "falcon", "model": drafter, "tree": tree}
+    raise SystemExit(f"unknown configuration {cfg!r} (vanilla, chain[:K], tree[:<tree>])")
+
+
+def run_worker(args) -> list[dict]:
+    """Profile every configuration in this process (the code on sys.path); one engine at a time."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from falcon_vllm.models import load_chat_prompts, model_path
+
+    model = args.model or str(model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = []
+    for q in load_chat_prompts("mt-bench", max(args.batch_sizes)):
+        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                      tokenize=True)
+        prompts.append([int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    rows = []
+    for cfg in args.configs:
+        llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
+                  max_num_seqs=max(args.batch_sizes), disable_log_stats=False, seed=0, enable_prefix_caching=False,
+                  speculative_config=_spec(cfg, args.drafter, args.num_spec_tokens))
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        timers = Timers()
+        in_target = {"n": 0}
+        orig_fwd = type(runner)._model_forward
+
+        def model_forward(self, *a, **kw):
+            in_target["n"] += 1
+            try:
+                return orig_fwd(self, *a, **kw)
+            finally:
+                in_target["n"] -= 1
+
+        runner._model_forward = model_forward.__get__(runner)
+        timers.wrap(runner, "_model_forward", "target forward")
+        timers.wrap(runner.model, "compute_logits", "lm head")
+        timers.wrap(runner, "_sample", "sampler")
+        timers.wrap(runner, "propose_draft_token_ids", "drafting")
+        if getattr(runner, "drafter", None) is not None:
+            timers.wrap(runner.drafter, "propose", "drafter passes")
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+        orig_attn = timers.wrap(CPUAttentionBackendImpl, "forward", "attention", when=lambda: in_target["n"] > 0)
+        restore = [(CPUAttentionBackendImpl, "forward", orig_attn)]
+        try:
+            from falcon_vllm.vllm import tree_mode
+            restore.append((tree_mode.VerifyTreeAttention, "attend",
+                            timers.wrap(tree_mode.VerifyTreeAttention, "attend", "tree attention")))
+            restore.append((tree_mode, "_compact", timers.wrap(tree_mode, "_compact", "compaction")))
+        except ImportError:
+            pass
+        timers.wrap(llm.llm_engine, "step", "step")
+        for B in args.batch_sizes:
+            batch = [{"prompt_token_ids": p} for p in prompts[:B]]
+            sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
+            llm.generate(batch, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+            timers.total.clear()
+            timers.calls.clear()
+            timers.on = True
+            t0 = time.perf_counter()
+            toks = 0
+            for _ in range(args.repeats):
+                outs = llm.generate(batch, sp, use_tqdm=False)
+                toks += sum(len(o.outputs[0].token_ids) for o in outs)
+            wall = time.perf_counter() - t0
+            timers.on = False
+            steps = max(1, timers.calls["step"])
+            ms = {c: 1e3 * timers.total.get(c, 0.0) / steps for c in COMPONENTS if c != "bookkeeping"}
+            ms["bookkeeping"] = ms["step"] - ms["target forward"] - ms["lm head"] - ms["sampler"] - ms["drafting"]
+            rows.append({"config": cfg, "batch_size": B, "steps": steps, "generated_tokens": toks,
+                         "tokens_per_step": toks / steps, "tokens_per_s": toks / wall, "ms_per_step": ms,
+                         "share": {c: ms[c] / ms["step"] for c in COMPONENTS},
+                         "calls_per_step": {c: timers.calls[c] / steps for c in timers.calls}})
+            print(json.dumps({"config": cfg, "B": B, "step_ms": round(ms["step"], 2),
+                              "tok/step": round(toks / steps, 2)}), file=sys.stderr, flush=True)
+        for owner, attr, orig in restore:
+            setattr(owner, attr, orig)
+        llm.llm_engine.engine_core.shutdown()
+        del llm, runner
+        import gc
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ driver
+def _worker_cmd(args, configs, out):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--configs", ",".join(configs),
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--max-new-tokens", str(args.max_new_tokens),
+           "--repeats", str(args.repeats), "--drafter", args.drafter, "--num-spec-tokens", str(args.num_spec_tokens)]
+    if args.model:
+        cmd += ["--model", args.model]
+    return cmd
+
+
+def run_driver(args) -> list[dict]:
+    versions = [("after", ROOT)]
+    if args.compare:
+        versions = [("before", os.path.abspath(args.compare)), ("after", ROOT)]
+    rows = []
+    for rnd in range(args.rounds):
+        for cfg in args.configs:
+            # the code versions of one configuration run side by side (--parallel) or one after the other,
+            # so load drift on a shared machine hits both alike
+            procs = []
+            for label, root in versions:
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")]
+                                                                             if p]))
+                tmp = os.path.join(HERE, "results", f".{args.name}.{label}.part.json")
+                procs.append((label, root, tmp, subprocess.Popen(_worker_cmd(args, [cfg], tmp), env=env, cwd=root)))
+                if not args.parallel:
+                    procs[-1][3].wait()
+            for label, root, tmp, proc in procs:
+                if proc.wait() != 0:
+                    raise SystemExit(f"worker {label} {cfg} failed ({proc.returncode})")
+                with open(tmp) as f:
+                    for r in json.load(f):
+                        r.update(version=label, round=rnd, code=_code_id(root))
+                        rows.append(r)
+                os.remove(tmp)
+            _write(args, rows)  # partial results survive an interrupted run
+    return rows
+
+
+def _code_id(root):
+    try:
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() + ("+dirty" if subprocess.run(
+                                  ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                  capture_output=True, text=True).stdout.strip() else "")
+    except OSError:
+        return None
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+def summarise(rows):
+    """Median over rounds per (version, config, batch)."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["version"], r["config"], r["batch_size"])].append(r)
+    out = []
+    for (v, c, b), rs in groups.items():
+        ms = {k: _median([r["ms_per_step"][k] for r in rs]) for k in COMPONENTS}
+        out.append({"version": v, "config": c, "batch_size": b, "rounds": len(rs),
+                    "tokens_per_step": _median([r["tokens_per_step"] for r in rs]),
+                    "tokens_per_s": _median([r["tokens_per_s"] for r in rs]), "ms_per_step": ms,
+                    "share": {k: ms[k] / ms["step"] for k in COMPONENTS}})
+    return out
+
+
+def markdown(summary, args, command) -> str:
+    lines = [f"# Step profile: {args.name}", "", f"Command: `{command}`", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+             f"{args.max_new_tokens} new tokens x {args.repeats} repeat(s) per batch, MT-Bench prompts, greedy, "
+             f"{args.rounds} round(s) (median){'; versions run side by side' if args.parallel else ''}.  ms per step (share of the step).  tree attention is part of "
+             "attention, which is part of target forward; compaction is part of sampler; drafter passes are "
+             "part of drafting.", ""]
+    head = ["version", "config", "B", "tok/step", "tok/s"] + list(COMPONENTS)
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in sorted(summary, key=lambda s: (s["config"], s["batch_size"], s["version"] != "before")):
+        cells = [s["version"], s["config"], str(s["batch_size"]), f"{s['tokens_per_step']:.2f}",
+                 f"{s['tokens_per_s']:.1f}"]
+        for c in COMPONENTS:
+            ms = s["ms_per_step"][c]
+            cells.append(f"{ms:.1f}" if c == "step" else f"{ms:.1f} ({100 * s['share'][c]:.0f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="vanilla,chain,tree:tree-2x2x1",
+                   help="comma list of vanilla, chain[:K], tree[:<preset or tune-tree file>]")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1, help="timed generations per batch size")
+    p.add_argument("--rounds", type=int, default=1, help="driver: repetitions of the whole schedule (median)")
+    p.add_argument("--num-spec-tokens", type=int, default=4, help="chain length K of `chain`")
+    p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
+    p.add_argument("--compare", default=None, help="checkout of the code to profile as 'before'")
+    p.add_argument("--parallel", action="store_true",
+                   help="with --compare: run the two versions of a configuration at the same time")
+    p.add_argument("--name", default="profile_step")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.configs = [c for c in a.configs.split(",") if c]
+    a.batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        rows = run_worker(args)
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+        return 0
+    args.command = "python benchmarks/profile_step.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    print(_write(args, run_driver(args)))
+    return 0
+
+
+def _write(args, rows) -> str:
+    summary = summarise(rows)
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    base = os.path.join(HERE, "results", args.name)
+    with open(base + ".json", "w") as f:
+        json.dump({"command": args.command, "machine": platform.platform(), "summary": summary, "rows": rows}, f,
+                  indent=1)
+    md = markdown(summary, args, args.command)
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    return md
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Cost of verifying W tokens against one token: the target forward (+ LM head) of W in-flight tokens
+per request over a cached prefix, W = 1..64, as a ratio to W = 1 (the knee ``falcon-vllm tune-tree`` fits
+its trees to; it measures with the same function, ``falcon_vllm.tune_tree.verify_cost``).
+
+Also reported: the share of the LM head (the target's full-vocabulary logits of every verified token) and
+the cost with the LM head applied to one row only, i.e. what the layers alone cost.
+
+  python benchmarks/verify_cost.py --widths 1,2,4,8,12,16,24,32,48,64 --threads 1 --name verify_cost_smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def layers_only_cost(target, batch_size, width, prefix=256, repeats=3):
+    """Like tune_tree.verify_cost, with the LM head applied to the last row only."""
+    import torch
+    from transformers import DynamicCache
+
+    from falcon_vllm.tune_tree import _clone_cache
+
+    V = target.config.vocab_size
+    ids = torch.randint(0, V, (batch_size, prefix))
+    cache = DynamicCache(config=target.config)
+    target.base_model(input_ids=ids, use_cache=True, past_key_values=cache)
+    x = torch.randint(0, V, (batch_size, width))
+    pos = (prefix + torch.arange(width)).expand(batch_size, width)
+    best = math.inf
+    for _ in range(repeats):
+        c = _clone_cache(cache, target.config)
+        t0 = time.perf_counter()
+        h = target.base_model(input_ids=x, position_ids=pos, past_key_values=c, use_cache=True).last_hidden_state
+        target.get_output_embeddings()(h[:, -1:])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--widths", default="1,2,4,8,12,16,24,32,48,64")
+    p.add_argument("--batch-sizes", default="1")
+    p.add_argument("--prefix", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5, help="best of")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU worker binds 1 on 2 cores)")
+    p.add_argument("--name", default="verify_cost")
+    args = p.parse_args(argv)
+    command = "python benchmarks/verify_cost.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from falcon_vllm.models import model_path
+    from falcon_vllm.tune_tree import verify_cost
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    target = AutoModelForCausalLM.from_pretrained(args.target or str(model_path()), dtype=torch.float32).eval()
+    widths = [int(w) for w in args.widths.split(",")]
+    rows = []
+    with torch.inference_mode():
+        for B in (int(b) for b in args.batch_sizes.split(",")):
+            verify_cost(target, B, 1, args.prefix, 2)  # warm-up
+            # interleave widths over the repeats so load drift hits every width alike
+            full = {W: math.inf for W in widths}
+            layers = {W: math.inf for W in widths}
+            for _ in range(args.repeats):
+                for W in widths:
+                    full[W] = min(full[W], verify_cost(target, B, W, args.prefix, 1))
+                    layers[W] = min(layers[W], layers_only_cost(target, B, W, args.prefix, 1))
+            for W in widths:
+                rows.append({"batch_size": B, "width": W, "seconds": full[W], "ratio_to_1": full[W] / full[1],
+                             "layers_only_seconds": layers[W], "layers_only_ratio_to_1": layers[W] / layers[1],
+                             "lm_head_share": 1 - layers[W] / full[W]})
+                print(json.dumps(rows[-1]), flush=True)
+    out = os.path.join(HERE, "results", args.name)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": command, "machine": platform.platform(), "threads": args.threads,
+                   "prefix": args.prefix, "rows": rows}, f, indent=1)
+    lines = [f"# Verify cost of W tokens vs 1 ({args.name})", "", f"Command: `{command}`", "",
+             f"SmolLM2-135M-Instruct fp32 (transformers), prefix {args.prefix}, {args.threads} thread(s), best of "
+             f"{args.repeats} (widths interleaved).  `full`: layers + LM head on every row (what verification "
+             "needs); `layers`: LM head on one row.", "",
+             "| B | W | full ms | full / W=1 | layers ms | layers / W=1 | LM head share |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['width']} | {1e3 * r['seconds']:.1f} | {r['ratio_to_1']:.2f} | "
+                     f"{1e3 * r['layers_only_seconds']:.1f} | {r['layers_only_ratio_to_1']:.2f} | "
+                     f"{100 * r['lm_head_share']:.0f}% |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
