@@ -5,6 +5,9 @@
   embeddings are points on a torus (``e_t = [cos(2 pi w t / V), sin(2 pi w t / V)]_w``), every
   ``o_proj``/``down_proj`` is zero so the residual stream stays ``e_t``, and ``lm_head[v] = e_{v-1}``.
   Shifting a token by s is then the rotation ``R^s`` of its embedding.
+* :func:`context_llama` - the increment model with a small random attention output and a sharpened
+  LM head: its next token is t+1+d with d mostly in {-2..2}, and the distribution of d depends on
+  the whole context, not only on the last token.
 * :func:`exact_drafter` - a Falcon drafter (fc fusion) that predicts that target perfectly: it
   maps the embedding of ``x_{j+1}`` to ``R^(k-1) e_{x_{j+1}}``, whose LM-head argmax is
   ``x_{j+1} + k = x_{j+k+1}``: exactly what drafter position j must predict.
@@ -68,6 +71,19 @@ def increment_llama(vocab: int = 128, hidden: int = 64, layers: int = 2, heads: 
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
+    return model
+
+
+def context_llama(vocab: int = 128, hidden: int = 128, heads: int = 2, kv_heads: int = 1, sharp: float = 1000.0,
+                  eps: float = 0.1, seed: int = 7):
+    """:func:`increment_llama` with ``lm_head`` scaled by ``sharp`` and random ``o_proj`` of scale ``eps``."""
+    model = increment_llama(vocab, hidden, heads=heads, kv_heads=kv_heads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharp)
+        for layer in model.model.layers:
+            w = layer.self_attn.o_proj.weight
+            w.copy_(torch.randn(w.shape, generator=g) * eps / math.sqrt(w.shape[1]))
     return model
 
 

@@ -5,6 +5,9 @@ Targets (vocab 49152, SmolLM2's tokenizer):
   greedy continuation t+1, t+2, ...; at temperature 1 the next token is t+1+d with d in
   {-2..2} and P(d=0) ~ 0.6, independent of everything but the last token.  The exact drafters
   predict t+1, t+2, ... perfectly.
+* ``ctx``: falcon_vllm.testing.context_llama, the same with a small random attention output: the
+  distribution of d depends on the whole context.  The sampling tests run on it (with the exact
+  drafter of ``inc``, which drafts d = 0 and is accepted or rejected).
 * ``rnd``: a random tiny Llama, with random Falcon drafters.
 
 One engine lives at a time (in-process engines share global state); tests are ordered so that
@@ -16,10 +19,10 @@ import math
 import pytest
 import torch
 
-from tests.vllm_util import (EngineCache, counter_delta, drafter_of, greedy as _greedy, increment_bins,
-                             increment_chi_square, save_target, spec_counters)
+from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
+                             save_target, spec_counters)
 
-from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
+from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 
 V = 49152
 SHARP = 1000.0  # LM-head scale of the increment target: P(next = t+1) ~ 0.6 at temperature 1
@@ -44,11 +47,13 @@ def ckpts(tmp_path_factory):
     save_target(inc, str(base / "inc"))
     exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
     _official_layout(exact_drafter(inc, k=3), str(base / "exact_k3_official"), inc)
+    ctx = context_llama(vocab=V)
+    save_target(ctx, str(base / "ctx"))
     rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
     save_target(rnd, str(base / "rnd"))
     random_drafter(rnd, k=3, fusion="lstm").save_pretrained(str(base / "rnd_lstm_k3"))
     random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3).save_pretrained(str(base / "rnd_fc2_k2"))
-    return {"dir": base, "inc": inc, "rnd": rnd}
+    return {"dir": base, "inc": inc, "rnd": rnd, "ctx": ctx}
 
 
 def _engine_specs(base) -> dict:
@@ -60,6 +65,7 @@ def _engine_specs(base) -> dict:
                                             "disable_padded_drafter_batch": True}, {}),
         "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
         "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
+        "ctx": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
     }
     out = {}
     for name, (target, spec, kw) in specs.items():
@@ -222,33 +228,39 @@ def test_short_prompts_recover_full_acceptance(engines, name, k):
         assert later and all(a == d for a, d in later), m
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampling_is_lossless(engines, ckpts, temperature):
-    """At temperature T every increment d = x_i - x_{i-1} - 1 is i.i.d. from the target's p_T(d).
-
-    T = 0.7 also catches a temperature that is lost or truncated on the way to the rejection sampler.
-    """
+def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96):
+    """Sample 12 tokens after ``n`` random prompts on the context target -> (chi-square, counts,
+    expected, spec counter delta)."""
     from vllm import SamplingParams
 
-    llm = engines.get("exact_k2")
-    inc = ckpts["inc"]
-    last = torch.tensor([300, 7000, 25000])
-    with torch.no_grad():
-        logits = inc(torch.stack([last - 2, last - 1, last], 1)).logits[:, -1].double()
-    probs = torch.softmax(logits / temperature, -1)
-    p = increment_bins(probs, last, V)                                        # bins d=-2..2, other
-    p0 = float(p[2])
-    assert 0.35 < p0 < 0.9 and p[-1] < 0.01  # a sharp, non-degenerate distribution
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(n)]
+    kw = {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
     before = spec_counters(llm)
-    starts = torch.randint(0, V, (96,), generator=torch.Generator().manual_seed(0)).tolist()
-    outs = llm.generate([{"prompt_token_ids": [(s - 2) % V, (s - 1) % V, s]} for s in starts],
-                        [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
-                         for i in range(len(starts))], use_tqdm=False)
-    chi2, counts, expected = increment_chi_square(starts, outs, p, V)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True, **kw)
+                         for i in range(n)], use_tqdm=False)
+    chi2, counts, expected = context_chi_square(ckpts["ctx"], prompts, outs, temperature, top_k, top_p)
+    return chi2, counts, expected, counter_delta(spec_counters(llm), before)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 3, None), (1.0, None, 0.8)])
+def test_sampling_is_lossless(engines, ckpts, temperature, top_k, top_p):
+    """Every generated token's bin (d = -2..2, other) against the context target's processed
+    distribution given its actual prefix; T = 0.7 also catches a temperature lost on the way to the
+    rejection sampler, top-k / top-p a truncation applied to one side only."""
+    chi2, counts, expected, c = _sample_chi_square(engines.get("ctx"), ckpts, temperature, top_k, top_p)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
-    c = counter_delta(spec_counters(llm), before)
-    # both branches of the rejection sampler ran: drafts were accepted and rejected.  The exact
-    # drafter continues the increments of its *inputs*, so after a sampled d != 0 its first draft
-    # is off by one: the first-position rate sits below p(0), well above zero.
-    rate0 = c["num_accepted_tokens_per_pos"][0] / c["num_drafts"]
-    assert 0.15 < rate0 < p0 + 0.05, (rate0, p0)
+    # both branches of the rejection sampler ran: drafts were accepted and rejected
+    assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
+
+
+def test_broken_acceptance_rule_is_caught(engines, ckpts, monkeypatch):
+    """The test above can fail: with vLLM's uniforms squared (accept with probability sqrt(p/q)
+    instead of p/q) the same statistic rejects."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    orig = rs.generate_uniform_probs
+    monkeypatch.setattr(rs, "generate_uniform_probs", lambda *a, **kw: orig(*a, **kw) ** 2)
+    chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
+    assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above

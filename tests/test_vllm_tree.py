@@ -2,7 +2,8 @@
 
 Targets as in test_vllm_chain.py: ``rnd`` (a random tiny Llama: attention matters, so a wrong
 mask, position or compaction changes the output) and ``inc`` (the sharpened increment model with
-exact drafters).  One engine lives at a time; each is built once per module.
+exact drafters), and ``ctx`` (falcon_vllm.testing.context_llama: the increment model whose
+distribution depends on the whole context) for the sampling tests.  One engine lives at a time; each is built once per module.
 """
 
 import math
@@ -11,10 +12,10 @@ import random
 import pytest
 import torch
 
-from tests.vllm_util import (EngineCache, counter_delta, drafter_of, greedy as _greedy, increment_bins,
-                             increment_chi_square, save_target, spec_counters)
+from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
+                             save_target, spec_counters)
 
-from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
+from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
 from falcon_vllm.tune_tree import best_tree
 
@@ -53,7 +54,9 @@ def ckpts(tmp_path_factory):
         inc.lm_head.weight.mul_(SHARP)
     save_target(inc, str(base / "inc"))
     exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
-    return {"dir": base, "rnd": rnd, "inc": inc}
+    ctx = context_llama(vocab=V)
+    save_target(ctx, str(base / "ctx"))
+    return {"dir": base, "rnd": rnd, "inc": inc, "ctx": ctx}
 
 
 def _engine_specs(base) -> dict:
@@ -68,6 +71,7 @@ def _engine_specs(base) -> dict:
         "small_kv": ("rnd", spec("rnd_k2", "tree-3x2x2x1"), {"num_gpu_blocks_override": 8, "block_size": 32,
                                                               "max_model_len": 192, "max_num_seqs": 4}),
         "exact": ("inc", spec("exact_k2", "tree-3x2x1x1x1x1"), {"per_request_spec_decode_metrics": "detailed"}),
+        "ctx": ("ctx", spec("exact_k2", "tree-3x2x1x1x1x1"), {}),
     }
     return {name: (str(base / target), sc, kw) for name, (target, sc, kw) in specs.items()}
 
@@ -281,32 +285,42 @@ def test_exact_drafter_accepts_full_depth(engines):
     assert prop.tree_accepted_per_depth[-1] == prop.tree_steps > 0
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.9)])
-def test_sampling_is_lossless(engines, ckpts, temperature, top_p):
-    """Every increment d = x_i - x_{i-1} - 1 is i.i.d. from the target's processed p(d); the tree has
-    3 candidates at depth 1, so rejected siblings and residual distributions are exercised."""
+def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=64):
+    """Sample 16 tokens after ``n`` random prompts on the context target -> (chi-square, counts,
+    expected, spec counter delta)."""
     from vllm import SamplingParams
 
-    from falcon_vllm.verify import probs_from_logits
-
-    llm = engines.get("exact")
-    inc = ckpts["inc"]
-    last = torch.tensor([300, 7000, 25000])
-    with torch.no_grad():
-        logits = inc(torch.stack([last - 2, last - 1, last], 1)).logits[:, -1].double()
-    probs = probs_from_logits(logits.float(), temperature, None, top_p).double()
-    p = increment_bins(probs, last, V)
-    assert 0.3 < float(p[2]) < 0.95
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(n)]
+    kw = {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
     before = spec_counters(llm)
-    starts = torch.randint(0, V, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-    kw = {} if top_p is None else {"top_p": top_p}
-    outs = llm.generate([{"prompt_token_ids": [(s - 2) % V, (s - 1) % V, s]} for s in starts],
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, **kw),
                         use_tqdm=False)
-    chi2, counts, expected = increment_chi_square(starts, outs, p, V)
-    assert chi2 < 23.0, (counts.tolist(), expected.tolist())
-    c = counter_delta(spec_counters(llm), before)
+    chi2, counts, expected = context_chi_square(ckpts["ctx"], prompts, outs, temperature, top_k, top_p)
+    return chi2, counts, expected, counter_delta(spec_counters(llm), before)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, None, 0.9), (1.0, 3, None)])
+def test_sampling_is_lossless(engines, ckpts, temperature, top_k, top_p):
+    """Every generated token's bin (d = -2..2, other) against the context target's processed
+    distribution given its actual prefix; the tree has 3 candidates at depth 1, so rejected siblings
+    and residual distributions are exercised."""
+    chi2, counts, expected, c = _sample_chi_square(engines.get("ctx"), ckpts, temperature, top_k, top_p)
+    assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
     assert 0 < c["num_accepted_tokens"] < c["num_drafts"] * 6               # accepted and rejected
+
+
+def test_broken_verifier_is_caught(engines, ckpts, monkeypatch):
+    """The test above can fail: a tree verifier that accepts under the target sharpened to
+    temperature 0.5 instead of the request's 1.0 is rejected by the same statistic."""
+    from falcon_vllm.vllm import tree_mode
+
+    orig = tree_mode.sample_verify
+    monkeypatch.setattr(tree_mode, "sample_verify", lambda tree, nodes, lg, t, *a, **kw: orig(tree, nodes, lg, t / 2,
+                                                                                                *a, **kw))
+    chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
+    assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above
 
 
 def test_tree_config_errors(ckpts):

@@ -88,32 +88,37 @@ def counter_delta(after: dict, before: dict) -> dict:
                 if isinstance(after[k], list) else after[k] - before[k]) for k in after}
 
 
-# Losslessness on an increment target (``increment_llama``): after token t it puts its mass on t+1+d for
-# small d, so every generated increment d = x_i - x_{i-1} - 1 is i.i.d. from one distribution p(d).
-def increment_bins(probs, last, vocab: int):
-    """p(d) for d = -2..2 plus an 'other' bin, averaged over the rows of ``probs`` (next-token
-    distributions after the tokens ``last``)."""
+# Losslessness on a context target (``context_llama``): after a context ending in t the next token is
+# t+1+d, d mostly in {-2..2}, with a distribution that depends on the whole context.  Each generated
+# token falls in one of 6 bins (d = -2..2, other); under the null hypothesis the count of a bin is a
+# sum of independent-given-the-past Bernoulli draws whose expected value is the sum, over the steps,
+# of the target's probability of that bin given the actual prefix.
+def context_chi_square(model, prompts, outs, temperature, top_k=None, top_p=None):
+    """(chi-square statistic, observed counts, expected counts) of generations ``outs`` against the
+    HF ``model``'s processed distributions (temperature, top-k, top-p) along each generated prefix.
+    A token of zero probability at its step fails at once; bins with expected count <= 0.5 are left
+    out of the statistic (Pearson's statistic with 5 degrees of freedom bounds it: the per-step
+    probabilities vary, which only shrinks the variance)."""
     import torch
 
-    cols = (last[:, None] + 1 + torch.arange(-2, 3)[None]) % vocab             # [R, 5] tokens t+1+d
-    p = probs.gather(1, cols).mean(0)
-    return torch.cat([p, (1 - p.sum()).clamp(min=0)[None]])
+    from falcon_vllm.verify import probs_from_logits
 
-
-def increment_chi_square(starts, outs, p, vocab: int):
-    """(chi-square statistic, observed counts, expected counts) of the increments of generations
-    ``outs`` (one per start token) against ``p`` from :func:`increment_bins`; bins with an expected
-    count <= 0.5 are left out of the statistic, but a count in a bin of zero probability fails."""
-    import torch
-
-    counts = torch.zeros(len(p))
-    for s, o in zip(starts, outs):
-        seq = [s] + list(o.outputs[0].token_ids)
-        for a, b in zip(seq, seq[1:]):
-            d = (b - a - 1 + vocab // 2) % vocab - vocab // 2
-            counts[d + 2 if -2 <= d <= 2 else -1] += 1
-    expected = counts.sum() * p
-    impossible = (p <= 0) & (counts > 0)
-    assert not bool(impossible.any()), f"observed {counts.tolist()} in bins of zero probability {p.tolist()}"
+    V = model.config.vocab_size
+    counts, expected = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    for prompt, o in zip(prompts, outs):
+        gen = list(o.outputs[0].token_ids)
+        seq = list(prompt) + gen
+        with torch.no_grad():
+            logits = model(torch.tensor([seq[:-1]])).logits[0, len(prompt) - 1:]      # [n, V]: one per token
+        probs = probs_from_logits(logits, temperature, top_k, top_p).double()
+        prev, tok = torch.tensor(seq[len(prompt) - 1:-1]), torch.tensor(gen)
+        p_tok = probs.gather(1, tok[:, None]).squeeze(1)
+        assert bool((p_tok > 0).all()), f"sampled tokens of zero probability: {tok[p_tok <= 0].tolist()}"
+        cols = (prev[:, None] + 1 + torch.arange(-2, 3)[None]) % V                     # tokens t+1+d
+        pb = probs.gather(1, cols)
+        expected += torch.cat([pb, (1 - pb.sum(1, keepdim=True)).clamp(min=0)], 1).sum(0)
+        d = (tok - prev - 1 + V // 2) % V - V // 2
+        b = torch.where(d.abs() <= 2, d + 2, torch.full_like(d, 5))
+        counts += torch.bincount(b, minlength=6).double()
     keep = expected > 0.5
     return float((((counts - expected) ** 2)[keep] / expected[keep]).sum()), counts, expected

@@ -1,0 +1,46 @@
+"""Short soak of `falcon-vllm serve` in tree mode (benchmarks/soak_server.py is the long one): 32
+concurrent clients for 30 s on a tiny random target, streaming and not, aborts and malformed
+requests; greedy answers equal a vanilla server's, memory flat, spec counters consistent."""
+
+import json
+
+import pytest
+
+from tests.vllm_util import save_target
+
+from falcon_vllm.soak import markdown, soak
+from falcon_vllm.testing import random_drafter, tiny_llama
+
+
+@pytest.mark.slow
+def test_short_soak_tree_mode(tmp_path):
+    t = tiny_llama(vocab=49152, hidden=64, heads=2, kv_heads=1, seed=3)
+    target = save_target(t, str(tmp_path / "target"))
+    random_drafter(t, k=2).save_pretrained(str(tmp_path / "drafter"))
+    spec = {"method": "falcon", "model": str(tmp_path / "drafter"), "tree": "tree-3x2x1"}
+    res = soak(target, ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"],
+               ["--speculative-config", json.dumps(spec)], str(tmp_path), clients=32, duration=30.0,
+               max_words=100, max_rss_growth=0.15)
+    assert not res["failures"], markdown(res)
+    assert res["completed"] > 32 and res["aborted"] > 0 and res["malformed"] > 0 and res["greedy_prompts_checked"] > 5
+
+
+def test_spec_counter_checks():
+    from falcon_vllm.soak import parse_metrics, spec_consistency
+
+    def page(drafts, tokens, acc, per_pos, gen):
+        lines = ["# HELP x", f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+                 f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}',
+                 f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {acc}',
+                 f'vllm:generation_tokens_total{{model_name="m"}} {gen}']
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {v}'
+                  for i, v in enumerate(per_pos)]
+        return parse_metrics("\n".join(lines))
+
+    before = page(0, 0, 0, [0, 0, 0], 0)
+    d, bad = spec_consistency(before, page(10, 30, 12, [7, 4, 1], 40))
+    assert bad == [] and d["accepted_per_pos"] == [7, 4, 1] and d["drafts"] == 10
+    assert spec_consistency(before, page(10, 30, 12, [4, 7, 1], 40))[1]     # increasing per position
+    assert spec_consistency(before, page(10, 30, 13, [7, 4, 1], 40))[1]     # sum != accepted
+    assert spec_consistency(before, page(10, 10, 12, [7, 4, 1], 40))[1]     # accepted > drafted
+    assert spec_consistency(before, page(0, 0, 0, [0, 0, 0], 0))[1]         # no drafts
