@@ -256,11 +256,12 @@ def test_sampling_is_lossless(engines, ckpts, temperature, top_k, top_p):
 
 
 def test_broken_acceptance_rule_is_caught(engines, ckpts, monkeypatch):
-    """The test above can fail: with vLLM's uniforms squared (accept with probability sqrt(p/q)
-    instead of p/q) the same statistic rejects."""
+    """The test above can fail: with vLLM's uniforms scaled by 0.1 (a draft accepted with probability
+    min(1, 10 p/q) instead of min(1, p/q)) the same statistic rejects.  (Squared uniforms, acceptance
+    sqrt(p/q), gave chi-square 9 at this sample size: too subtle to separate from chance here.)"""
     import vllm.v1.sample.rejection_sampler as rs
 
     orig = rs.generate_uniform_probs
-    monkeypatch.setattr(rs, "generate_uniform_probs", lambda *a, **kw: orig(*a, **kw) ** 2)
+    monkeypatch.setattr(rs, "generate_uniform_probs", lambda *a, **kw: orig(*a, **kw) * 0.1)
     chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
     assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above

@@ -512,13 +512,13 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
     drafter.eval()
     drafter.save_pretrained(out_dir, dtype=save_dtype)
     if mode == "eagle":
-        export_vllm_eagle(drafter, os.path.join(out_dir, "vllm-eagle"))
+        export_vllm_eagle(drafter, os.path.join(out_dir, "vllm-eagle"), dtype=save_dtype)
     if world > 1:
         torch.distributed.barrier()
     return {"final": final, "history": state["history"], "out": out_dir, "drafter": drafter}
 
 
-def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
+def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | None = None) -> None:
     """Export a k=1 fc drafter in the layout of vLLM's built-in EAGLE-1 (EagleLlamaForCausalLM)."""
     from safetensors.torch import save_file
 
@@ -532,7 +532,8 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
-    save_file({n: t.detach().contiguous() for n, t in drafter.state_dict().items()},
+    save_file({n: t.detach().to(dtype if dtype and t.is_floating_point() else t.dtype).contiguous()
+               for n, t in drafter.state_dict().items()},
               os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 

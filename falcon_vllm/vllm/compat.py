@@ -17,6 +17,10 @@
    'get'``: any engine created after an ``ngram`` engine in the same process fails to start.  The
    benchmark harness and the tests run several engines in one process, so :func:`guard_llvmlite`
    makes the wrapper refuse dunder names, as ``ctypes.CDLL`` itself does, right before vLLM's scan.
+
+3. **Top-k sampling in a step without drafts.**  The rejection sampler constrains its draft-token
+   logits with top-k/top-p even when a step has none; vLLM's ``apply_top_k_only`` then fails on the
+   max of an empty tensor.  :func:`guard_empty_sampling_constraints` skips the empty case.
 """
 
 from __future__ import annotations
@@ -75,9 +79,29 @@ def fix_cpu_expand() -> bool:
     return True
 
 
+def guard_empty_sampling_constraints() -> bool:
+    """vLLM 0.32's rejection sampler applies top-k/top-p to its draft-token logits even when a step has
+    none (every request's drafts cut by the scheduler), and ``apply_top_k_only`` then fails on
+    ``k.max()`` of an empty tensor: with nothing to constrain, return the (empty) logits unchanged."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    fn = getattr(rs, "apply_sampling_constraints", None)
+    if fn is None or getattr(fn, "_falcon_guarded", False):
+        return False
+
+    @functools.wraps(fn)
+    def apply_sampling_constraints(logits, *args, **kwargs):
+        return logits if logits.shape[0] == 0 else fn(logits, *args, **kwargs)
+
+    apply_sampling_constraints._falcon_guarded = True
+    rs.apply_sampling_constraints = apply_sampling_constraints
+    return True
+
+
 def install() -> None:
-    """Install both work-arounds (idempotent)."""
+    """Install the work-arounds (idempotent)."""
     fix_cpu_expand()
+    guard_empty_sampling_constraints()
     try:
         from vllm.triton_utils import dispatcher
     except ImportError:  # another vLLM layout: nothing to guard
