@@ -44,17 +44,20 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/falcon-soak", help="server logs")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "soak_smollm2_tree"), help="<out>.json, <out>.md")
     a = ap.parse_args()
-    model = a.model or model_path()
+    model = str(a.model or model_path())
     server_args = ["--dtype", "float32", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
                    "--enforce-eager"]
     spec = {"method": "falcon", "model": os.path.abspath(a.drafter), "tree": a.tree}
     res = soak(model, server_args, ["--speculative-config", json.dumps(spec)], a.workdir, clients=a.clients,
                duration=a.duration, num_prompts=a.num_prompts, max_words=a.max_words, p_abort=a.p_abort,
                p_malformed=a.p_malformed, p_greedy=a.p_greedy, seed=a.seed, max_rss_growth=a.max_rss_growth)
+    def local(text: str) -> str:  # results name the project's files, not where they lay on this machine
+        return text.replace(os.path.dirname(HERE) + os.sep, "").replace(os.path.dirname(model) + os.sep, "")
+
     with open(a.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+        f.write(local(json.dumps(res, indent=1, default=str)))
     with open(a.out + ".md", "w") as f:
-        f.write(markdown(res))
+        f.write(local(markdown(res)))
     print(markdown(res))
     return 1 if res["failures"] else 0
 
