@@ -147,39 +147,6 @@ def load_shards(directory: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-class VLLMGenerator:
-    """Greedy answers through an in-process vLLM engine (continuous batching), called as
-    ``(prompts: list[list[int]], max_new_tokens) -> list[list[int]]`` like :func:`greedy_batch` (each
-    answer ends at its first EOS).  ``close()`` shuts the engine down: a live engine's bound CPU threads
-    slow the featurizing prefill ~20x (measured), so each shard answers, closes, then featurizes."""
-
-    def __init__(self, target_dir: str, max_model_len: int, max_num_seqs: int = 128):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        from vllm import LLM
-
-        self.llm = LLM(model=str(target_dir), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
-                       max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
-
-    def __call__(self, prompts, max_new_tokens):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    def close(self) -> None:
-        import gc
-
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
-        gc.collect()
-        cleanup_dist_env_and_memory()
-
-
 def hf_generator(model, pad_id: int, eos_ids):
     """Greedy answers with HF ``generate`` (left-padded batches): for machines without vLLM."""
     def generate(prompts, max_new_tokens):
@@ -306,8 +273,12 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
         path = out / f"shard_{si:05d}.safetensors"
         if not path.exists() or path.name not in done:
             if generate is None:
-                generate = (VLLMGenerator(target_dir, max_total_tokens + max_new_tokens) if backend == "vllm"
-                            else hf_generator(mdl, pad, eos))
+                if backend == "vllm":
+                    from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
+
+                    generate = VLLMGenerator(target_dir, max_total_tokens + max_new_tokens)
+                else:
+                    generate = hf_generator(mdl, pad, eos)
             t0 = time.time()
             groups = [shard] if backend == "vllm" else [shard[b:b + batch_size] for b in range(0, len(shard), batch_size)]
             seqs, masks = [], []
