@@ -18,7 +18,6 @@ import os
 import platform
 import shlex
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,25 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def layers_only_cost(target, batch_size, width, prefix=256, repeats=3):
     """Like tune_tree.verify_cost, with the LM head applied to the last row only."""
-    import torch
-    from transformers import DynamicCache
+    from falcon_vllm.tune_tree import verify_cost
 
-    from falcon_vllm.tune_tree import _clone_cache
-
-    V = target.config.vocab_size
-    ids = torch.randint(0, V, (batch_size, prefix))
-    cache = DynamicCache(config=target.config)
-    target.base_model(input_ids=ids, use_cache=True, past_key_values=cache)
-    x = torch.randint(0, V, (batch_size, width))
-    pos = (prefix + torch.arange(width)).expand(batch_size, width)
-    best = math.inf
-    for _ in range(repeats):
-        c = _clone_cache(cache, target.config)
-        t0 = time.perf_counter()
-        h = target.base_model(input_ids=x, position_ids=pos, past_key_values=c, use_cache=True).last_hidden_state
-        target.get_output_embeddings()(h[:, -1:])
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return verify_cost(target, batch_size, width, prefix, repeats, head_on_every_row=False)
 
 
 def main(argv=None) -> int:

@@ -102,8 +102,10 @@ def best_tree(profiles: list[tuple[int, ...]], num_nodes: int) -> tuple[list[lis
 
 
 @torch.inference_mode()
-def verify_cost(target, batch_size: int, width: int, prefix: int = 256, repeats: int = 3) -> float:
-    """Seconds for one target forward of ``batch_size`` x ``width`` tokens over a ``prefix`` cache."""
+def verify_cost(target, batch_size: int, width: int, prefix: int = 256, repeats: int = 3,
+                head_on_every_row: bool = True) -> float:
+    """Seconds for one target forward of ``batch_size`` x ``width`` tokens over a ``prefix`` cache (the
+    LM head on every row, as verification needs, or on the last row only)."""
     from transformers import DynamicCache
 
     V = target.config.vocab_size
@@ -117,7 +119,7 @@ def verify_cost(target, batch_size: int, width: int, prefix: int = 256, repeats:
         c = _clone_cache(cache, target.config)
         t0 = time.perf_counter()
         h = target.base_model(input_ids=x, position_ids=pos, past_key_values=c, use_cache=True).last_hidden_state
-        target.get_output_embeddings()(h)
+        target.get_output_embeddings()(h if head_on_every_row else h[:, -1:])
         best = min(best, time.perf_counter() - t0)
     return best
 
