@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
-                             save_target, spec_counters)
+                             reference_drafts, save_target, spec_counters)
 
 from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 
@@ -97,22 +97,6 @@ def _record_drafts(prop):
     return log
 
 
-def _reference_drafts(engine, prompt, n):
-    """Generate with the reference engine; return its tokens and the drafted chain of each round."""
-    drafts, draft = [], engine._draft
-
-    def record(*a, **kw):
-        out = draft(*a, **kw)
-        drafts.append(out.tolist())
-        return out
-
-    engine._draft = record
-    try:
-        return engine.generate(prompt, max_new_tokens=n).tokens, drafts
-    finally:
-        del engine._draft
-
-
 # ---------------------------------------------------------------------- losslessness (random drafters)
 PROMPTS = [[11, 12, 13], list(range(200, 237)), [5] * 9, list(range(1000, 1020))]
 SHORT = [[7], [300, 301]]  # shorter than k: the relaxed block has rows with unknown inputs
@@ -173,7 +157,7 @@ def test_drafts_match_reference_engine(engines, ckpts):
     drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_lstm_k3"))
     eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree=f"chain-{K}")
     for p, toks, o in zip(prompts, tokens, outs):
-        ref_tokens, ref_drafts = _reference_drafts(eng, p, 24)
+        ref_tokens, ref_drafts = reference_drafts(eng, p, 24)
         assert ref_tokens == toks
         ours = [step[o.request_id] for step in log if o.request_id in step]
         first = 0 if len(p) >= k else k

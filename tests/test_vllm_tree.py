@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
-                             save_target, spec_counters)
+                             reference_drafts, save_target, spec_counters)
 
 from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -167,15 +167,8 @@ def test_tree_drafts_match_reference_engine(engines, ckpts, batch):
     drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_k2"))
     for p, toks, o in zip(prompts, tokens, outs):
         eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree="falcon-llama")
-        ref_drafts, draft = [], eng._draft
-
-        def record(*a, **kw):
-            out = draft(*a, **kw)
-            ref_drafts.append(out.tolist())
-            return out
-
-        eng._draft = record
-        assert eng.generate(p, max_new_tokens=16).tokens == toks
+        ref_tokens, ref_drafts = reference_drafts(eng, p, 16)
+        assert ref_tokens == toks
         ours = [v for rid, v in log.items() if rid.rsplit("-", 1)[0] == o.request_id]  # internal id: external-xxx
         assert len(ours) == 1
         ours = ours[0]

@@ -122,3 +122,19 @@ def context_chi_square(model, prompts, outs, temperature, top_k=None, top_p=None
         counts += torch.bincount(b, minlength=6).double()
     keep = expected > 0.5
     return float((((counts - expected) ** 2)[keep] / expected[keep]).sum()), counts, expected
+
+
+def reference_drafts(engine, prompt, n):
+    """Generate with the reference engine; return its tokens and each round's drafts (chain or tree nodes)."""
+    drafts, draft = [], engine._draft
+
+    def record(*a, **kw):
+        out = draft(*a, **kw)
+        drafts.append(out.tolist())
+        return out
+
+    engine._draft = record
+    try:
+        return engine.generate(prompt, max_new_tokens=n).tokens, drafts
+    finally:
+        del engine._draft
