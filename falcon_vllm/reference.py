@@ -91,10 +91,8 @@ class FalconReferenceEngine:
         spec = tree if tree is not None else (drafter.config.tree or f"chain-{2 * k}")
         self.tree: DecodingTree = build_tree(spec, k)
         self.k = k
-        t = self.tree
-        self._node_tok_src = t.node_source  # [N, 3] (pass, row, rank)
-        self._ancestor_mask = t.ancestor_mask
-        self._depth = t.depth
+        self._ancestor_mask = self.tree.ancestor_mask
+        self._depth = self.tree.depth
 
     # ------------------------------------------------------------------ target
     def _target_forward(self, ids, positions, cache, tree_mask=None):
@@ -141,41 +139,29 @@ class FalconReferenceEngine:
         return out[0, -k:]
 
     def _draft(self, st: DrafterCache, tokens: list[int], feats: torch.Tensor, return_outputs: bool = False):
-        """Draft the whole tree; returns node tokens [N] int64 (and each pass's output rows)."""
-        tree, k, topk = self.tree, self.k, self.tree.topk
-        n = feats.shape[0]
+        """Draft the whole tree (:meth:`DecodingTree.draft`); returns node tokens [N] int64 (and each
+        pass's output rows [rows, H])."""
+        k, n = self.k, feats.shape[0]
         rows = self._chunk_pass(st, tokens, feats)  # [k, H]
-        outs = [rows]
-        ids_tables = [self.drafter.topk_tokens(rows, topk)]  # [rows, topk]
-        node_tokens = torch.zeros(tree.num_nodes, dtype=torch.long)
-        src = self._node_tok_src
         block_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per tree pass, per layer [nb, ...]
-        chains: list[torch.Tensor] = []  # per tree pass: [nb, passes so far] ancestor block ids
-        for p, plan in enumerate(tree.passes[1:], start=1):
-            sel = src[:, 0] == p - 1
-            node_tokens[sel] = ids_tables[p - 1][src[sel, 1], src[sel, 2]]
-            nb = plan.num_blocks
-            in_ids = node_tokens[plan.input_slots - 1]                    # [nb, k]
-            in_feats = outs[p - 1][plan.feature_rows]                     # [nb, k, H]
+
+        def run_pass(p, ids, feats_in, ancestors):
+            nb = ids.shape[1]
             pos = (n + k * (p - 1) + torch.arange(k)).expand(nb, k)
             # past = committed prefix + this block's ancestor blocks from earlier tree passes
-            anc = plan.parent_block[:, None]
-            chain = torch.cat([chains[-1][plan.parent_block], anc], 1) if chains else anc[:, :0]
             past = []
             for li, (K, V) in enumerate(st.kv):
-                ks = [K.expand(nb, -1, -1, -1)] + [block_kv[j][li][0][chain[:, j]] for j in range(len(block_kv))]
-                vs = [V.expand(nb, -1, -1, -1)] + [block_kv[j][li][1][chain[:, j]] for j in range(len(block_kv))]
+                ks = [K.expand(nb, -1, -1, -1)] + [block_kv[j][li][0][ancestors[:, j]] for j in range(len(block_kv))]
+                vs = [V.expand(nb, -1, -1, -1)] + [block_kv[j][li][1][ancestors[:, j]] for j in range(len(block_kv))]
                 past.append((torch.cat(ks, 2), torch.cat(vs, 2)))
             mask = torch.ones(k, past[0][0].shape[2] + k, dtype=torch.bool)
-            out, kv = self.drafter(self.drafter.embed(in_ids), in_feats, pos, mask, past)
+            out, kv = self.drafter(self.drafter.embed(ids[0]), feats_in[0], pos, mask, past)
             block_kv.append(kv)
-            chains.append(chain)
-            flat = out.reshape(nb * k, -1)                                 # row b*k + r
-            outs.append(flat)
-            ids_tables.append(self.drafter.topk_tokens(flat, topk))
-        sel = src[:, 0] == tree.num_passes - 1
-        node_tokens[sel] = ids_tables[-1][src[sel, 1], src[sel, 2]]
-        return (node_tokens, outs) if return_outputs else node_tokens
+            return out.reshape(1, nb * k, -1)                              # row b*k + r
+
+        topk = lambda r: self.drafter.topk_tokens(r[0], self.tree.topk)[None]  # noqa: E731
+        nodes, outs = self.tree.draft(rows[None], topk, run_pass, return_outputs=True)
+        return (nodes[0], [o[0] for o in outs]) if return_outputs else nodes[0]
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()

@@ -47,12 +47,16 @@ class PassPlan:
             are the block's input features; empty for pass 1.
         parent_block: [n_blocks] index, in the previous pass, of the block that produced this
             block's input (its ancestor block); -1 for pass 1.
+        ancestor_blocks: [n_blocks, q - 1] for pass q+1: the block's ancestor in each earlier
+            *tree* pass 2..q (the blocks whose K/V it attends to besides the prefix and itself);
+            [1, 0] for pass 1.
     """
 
     expansion_slots: torch.Tensor
     input_slots: torch.Tensor
     feature_rows: torch.Tensor
     parent_block: torch.Tensor
+    ancestor_blocks: torch.Tensor
 
     @property
     def num_blocks(self) -> int:
@@ -207,7 +211,8 @@ class DecodingTree:
         plans = [PassPlan(expansion_slots=torch.tensor([0]),
                           input_slots=torch.zeros(1, 0, dtype=torch.long),
                           feature_rows=torch.zeros(1, 0, dtype=torch.long),
-                          parent_block=torch.tensor([-1]))]
+                          parent_block=torch.tensor([-1]),
+                          ancestor_blocks=torch.zeros(1, 0, dtype=torch.long))]
         block_of: dict[Path, int] = {(): 0}  # expansion node -> block index in its pass
         for q in range(1, self.num_passes):
             exp = [t for t in self.nodes if len(t) == k * q and self.children[self._slot[t]]]
@@ -221,10 +226,13 @@ class DecodingTree:
                 pblocks.append(b)
             for j, t in enumerate(exp):
                 block_of[t] = j
+            parent = torch.tensor(pblocks, dtype=torch.long)
+            prev = plans[-1].ancestor_blocks
+            chain = torch.cat([prev[parent], parent[:, None]], 1) if q > 1 else parent[:, None][:, :0]
             plans.append(PassPlan(expansion_slots=torch.tensor(exp_slots, dtype=torch.long),
                                   input_slots=torch.tensor(inputs, dtype=torch.long).view(-1, k),
                                   feature_rows=torch.tensor(frows, dtype=torch.long).view(-1, k),
-                                  parent_block=torch.tensor(pblocks, dtype=torch.long)))
+                                  parent_block=parent, ancestor_blocks=chain))
         self._block_of = block_of
         return plans
 
@@ -243,6 +251,34 @@ class DecodingTree:
             anc = t[: k * p]
             rows.append([p, self._block_of[anc] * k + (d - 1) % k, t[-1]])
         return torch.tensor(rows, dtype=torch.long)
+
+    def draft(self, rows: torch.Tensor, topk_fn, run_pass, return_outputs: bool = False):
+        """SAR tree drafting by this plan, batched over B requests; every engine drafts through it.
+
+        rows [B, k, H]: the first pass's output rows (levels 1..k).  ``topk_fn(rows [B, R, H])`` ->
+        the drafter's top candidates [B, R, topk] (target ids, rank order).  ``run_pass(p, ids, feats,
+        ancestors)`` runs tree pass p+1 (p >= 1) on ``ids`` [B, nb, k] / ``feats`` [B, nb, k, H] at
+        depth offsets ``k*(p-1) + 0..k-1`` after the prefix, each block attending to its blocks
+        ``ancestors`` [nb, p-1] of the earlier tree passes, and returns its rows [B, nb*k, H].
+        Returns the node tokens [B, num_nodes] int64 (slot i+1 = column i), and with
+        ``return_outputs`` each pass's output rows too.
+        """
+        dev = rows.device
+        src = self.node_source.to(dev)
+        B = rows.shape[0]
+        nodes = torch.zeros(B, self.num_nodes, dtype=torch.long, device=dev)
+        outs, table = [rows], topk_fn(rows)                       # table [B, rows, topk]
+        for p in range(1, self.num_passes + 1):
+            sel = src[:, 0] == p - 1                              # nodes this pass's candidates fill
+            nodes[:, sel] = table[:, src[sel, 1], src[sel, 2]]
+            if p == self.num_passes:
+                break
+            plan = self.passes[p]
+            ids = nodes[:, plan.input_slots.to(dev) - 1]                               # [B, nb, k]
+            feats = outs[p - 1][:, plan.feature_rows.to(dev)]                          # [B, nb, k, H]
+            outs.append(run_pass(p, ids, feats, plan.ancestor_blocks))
+            table = topk_fn(outs[-1])
+        return (nodes, outs) if return_outputs else nodes
 
     @cached_property
     def topk(self) -> int:

@@ -166,31 +166,19 @@ class FalconProposer(EagleProposer):
         tree = self.subtrees.get(K)
         self.drafted_k = K
         B, k, H = rows.shape
-        topk, src = tree.topk, tree.node_source.to(rows.device)
-        tables = [self._topk(rows, topk)]            # [B, rows, topk] per pass
-        outs = [rows]
-        nodes = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=rows.device)
         prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
         attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k, max_prefix=cad.max_seq_len)
-        chains: list[torch.Tensor] = []
-        for p, plan in enumerate(tree.passes[1:], start=1):
-            sel = src[:, 0] == p - 1
-            nodes[:, sel] = tables[p - 1][:, src[sel, 1], src[sel, 2]]
-            nb = plan.num_blocks
-            in_ids = nodes[:, plan.input_slots.to(rows.device) - 1]                 # [B, nb, k]
-            in_feats = outs[p - 1][:, plan.feature_rows.to(rows.device)]           # [B, nb, k, H]
-            pos = (prefix[:, None, None] + k * (p - 1) + torch.arange(k, device=rows.device)).expand(B, nb, k)
-            parent = plan.parent_block[:, None]
-            chain = torch.cat([chains[-1][plan.parent_block], parent], 1) if chains else parent[:, :0]
-            attn.begin_pass(chain)
-            out = self._tree_block_pass(attn, in_ids.reshape(B * nb, k), in_feats.reshape(B * nb, k, H),
+        offs = torch.arange(k, device=rows.device)
+
+        def run_pass(p, ids, feats, ancestors):
+            nb = ids.shape[1]
+            pos = (prefix[:, None, None] + k * (p - 1) + offs).expand(B, nb, k)
+            attn.begin_pass(ancestors)
+            out = self._tree_block_pass(attn, ids.reshape(B * nb, k), feats.reshape(B * nb, k, H),
                                         pos.reshape(B * nb, k))
-            chains.append(chain)
-            flat = out.view(B, nb * k, H)
-            outs.append(flat)
-            tables.append(self._topk(flat, topk))
-        sel = src[:, 0] == tree.num_passes - 1
-        nodes[:, sel] = tables[-1][:, src[sel, 1], src[sel, 2]]
+            return out.view(B, nb * k, H)
+
+        nodes = tree.draft(rows, lambda r: self._topk(r, tree.topk), run_pass)
         if self.steps == 1:
             logger.info("falcon-vllm: drafted a %d-node tree in %d drafter passes (k=%d)", tree.num_nodes,
                         tree.num_passes, k)
