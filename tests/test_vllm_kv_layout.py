@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, comput
                                         create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from falcon_vllm.vllm import tree_mode  # noqa: E402
+from falcon_vllm.vllm import paged_kv, tree_draft, tree_verify  # noqa: E402
 
 L, NB, HKV, HQ = 2, 6, 2, 4
 CASES = [("flash", lay, 16, 64) for lay in KVCacheLayout] + [("cpu", KVCacheLayout.LBHNC, 32, 32),
@@ -86,7 +86,7 @@ def case(request):
             _store(backend, kv, k, v, slots, bs, d)
             per.append((k, v))
         dense.append(per)
-    return dict(backend=backend, layout=tree_mode.kv_layout(_impl(backend, d), _Layer("l0", "vec")),
+    return dict(backend=backend, layout=paged_kv.kv_layout(_impl(backend, d), _Layer("l0", "vec")),
                 impl=_impl(backend, d), caches=caches, table=table, plens=plens, dense=dense, bs=bs, d=d, g=g)
 
 
@@ -101,7 +101,7 @@ def _sdpa(q, k, v, mask, scale):
 def test_paged_kv_reads_what_the_backend_stored(case):
     bs = case["bs"]
     for kv, per in zip(case["caches"], case["dense"]):
-        kc, vc = tree_mode.paged_kv(kv, case["layout"])
+        kc, vc = paged_kv.paged_kv(kv, case["layout"])
         assert kc.shape == vc.shape == (NB, bs, HKV, case["d"])
         for r, (k, v) in enumerate(per):
             pos = torch.arange(len(k))
@@ -125,7 +125,7 @@ def test_verify_tree_attention_matches_dense_oracle(case):
         max_seq_len = int(seq_lens.max())
 
     # whole=False: a batch whose other rows (here a request without a tree) keep the stock kernel's output
-    att = tree_mode.VerifyTreeAttention(list(range(qsl[-1])), [0, 1], qsl, bits, "cpu", whole=False)
+    att = tree_verify.VerifyTreeAttention(list(range(qsl[-1])), [0, 1], qsl, bits, "cpu", whole=False)
     kv = case["caches"][0]
     out = torch.full((n, HQ * d), 7.0)
     att.attend(impl, _Layer("l0", "vec"), q, k, v, kv, MD, out)
@@ -149,11 +149,11 @@ def test_slot_copies_and_kv_compaction_move_exactly_the_given_slots(case):
     src, dst = t4[pos_src // bs] * bs + pos_src % bs, t4[pos_dst // bs] * bs + pos_dst % bs
     want = []
     for kv in case["caches"]:
-        kc, vc = tree_mode.paged_kv(kv, case["layout"])
+        kc, vc = paged_kv.paged_kv(kv, case["layout"])
         wk, wv = kc.clone(), vc.clone()
         wk[dst // bs, dst % bs], wv[dst // bs, dst % bs] = kc[src // bs, src % bs].clone(), vc[src // bs, src % bs].clone()
         want.append((wk, wv, kv.clone()))
-    runs = [lambda: [tree_mode.copy_kv_slots(kv, case["layout"], src, dst) for kv in case["caches"]]]
+    runs = [lambda: [paged_kv.copy_kv_slots(kv, case["layout"], src, dst) for kv in case["caches"]]]
     if case["backend"] == "flash":
         runs.append(lambda: kv_compaction_ref(vllm_planes(case["caches"]), src, dst))
     for run in runs:
@@ -161,7 +161,7 @@ def test_slot_copies_and_kv_compaction_move_exactly_the_given_slots(case):
             kv.copy_(orig)
         run()
         for kv, (wk, wv, _) in zip(case["caches"], want):
-            kc, vc = tree_mode.paged_kv(kv, case["layout"])
+            kc, vc = paged_kv.paged_kv(kv, case["layout"])
             assert torch.equal(kc, wk) and torch.equal(vc, wv)
 
 
@@ -170,7 +170,7 @@ def test_draft_tree_attention_matches_dense_oracle(case):
     block of pass 1 and itself (non-causal)."""
     d, g, impl, k = case["d"], case["g"], case["impl"], 2
     B = 2
-    att = tree_mode.DraftTreeAttention(case["table"], torch.tensor(case["plens"]), k)
+    att = tree_draft.DraftTreeAttention(case["table"], torch.tensor(case["plens"]), k)
     layer = _Layer("l1", "vec")
     kv = case["caches"][1]
     hist = []
@@ -180,7 +180,7 @@ def test_draft_tree_attention_matches_dense_oracle(case):
         q, kk, vv = (torch.randn(n, h, d, generator=g) for h in (HQ, HKV, HKV))
         att.begin_pass(chain)
         out = torch.zeros(n, HQ * d)
-        att.attend(impl, layer, q, kk, vv, kv, out)
+        att.attend(impl, layer, q, kk, vv, kv, None, out)
         out = out.view(B, nb, k, HQ, d)
         qs, ks, vs = (x.view(B, nb, k, -1, d) for x in (q, kk, vv))
         for r in range(B):

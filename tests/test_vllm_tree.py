@@ -275,7 +275,7 @@ def test_exact_drafter_accepts_full_depth(engines):
         assert o.outputs[0].spec_decode_metrics.to_dict()["mean_acceptance_length"] == depth + 1
     steps = prop.steps - steps0
     assert steps > 0 and prop.passes - passes0 == steps * math.ceil(depth / prop.k)
-    assert prop.tree_accepted_per_depth[-1] == prop.tree_steps > 0
+    assert prop.tree_state.accepted_per_depth[-1] == prop.tree_state.steps > 0
 
 
 def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=64):
@@ -307,10 +307,10 @@ def test_sampling_is_lossless(engines, ckpts, temperature, top_k, top_p):
 def test_broken_verifier_is_caught(engines, ckpts, monkeypatch):
     """The test above can fail: a tree verifier that accepts under the target sharpened to
     temperature 0.5 instead of the request's 1.0 is rejected by the same statistic."""
-    from falcon_vllm.vllm import tree_mode
+    from falcon_vllm.vllm import tree_verify
 
-    orig = tree_mode.sample_verify
-    monkeypatch.setattr(tree_mode, "sample_verify", lambda tree, nodes, lg, t, *a, **kw: orig(tree, nodes, lg, t / 2,
+    orig = tree_verify.sample_verify
+    monkeypatch.setattr(tree_verify, "sample_verify", lambda tree, nodes, lg, t, *a, **kw: orig(tree, nodes, lg, t / 2,
                                                                                                 *a, **kw))
     chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
     assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above
@@ -344,7 +344,7 @@ def test_cpu_paged_layout_and_slot_copy(block_size, head_dim):
     copy_kv_slots moves exactly the K/V of the given slots."""
     from vllm import _custom_ops as ops
 
-    from falcon_vllm.vllm.tree_mode import copy_kv_slots, paged_kv
+    from falcon_vllm.vllm.paged_kv import copy_kv_slots, paged_kv
 
     nb, hkv, T = 4, 2, 9
     kv = torch.zeros(nb, hkv, block_size, 2 * head_dim)

@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 from falcon_vllm.tree import build_tree  # noqa: E402
 from falcon_vllm.verify import greedy_verify  # noqa: E402
-from falcon_vllm.vllm import tree_mode  # noqa: E402
+from falcon_vllm.vllm import tree_draft, tree_verify  # noqa: E402
 
 
 class FlashAttentionImplStub:  # kv_layout() reads the class name: FLASH_ATTN's paged layout
@@ -48,7 +48,7 @@ def test_batched_draft_tree_attention_equals_per_block_loop():
     kv = torch.cat([kc, vc], -1).transpose(1, 2)                # FLASH_ATTN (vLLM 0.32): [blocks, Hkv, bs, 2D] view
     table = torch.randperm(nblocks)[: B * 3].view(B, 3).to(torch.int32)
     impl, layer = FlashAttentionImplStub(D ** -0.5), _Layer()
-    attn = tree_mode.DraftTreeAttention(table, prefix, k, max_prefix=16)
+    attn = tree_draft.DraftTreeAttention(table, prefix, k, max_prefix=16)
     assert attn.P == 11                                         # CPU: padded to the exact longest prefix
     pk = [kc[table[r].long()].reshape(-1, hkv, D)[: prefix[r]] for r in range(B)]
     pv = [vc[table[r].long()].reshape(-1, hkv, D)[: prefix[r]] for r in range(B)]
@@ -60,7 +60,7 @@ def test_batched_draft_tree_attention_equals_per_block_loop():
         n = B * nb * k
         q, key, val = torch.randn(n, H, D), torch.randn(n, hkv, D), torch.randn(n, hkv, D)
         out = torch.zeros(n, H * D)
-        attn.attend(impl, layer, q, key, val, kv, out)
+        attn.attend(impl, layer, q, key, val, kv, None, out)
         own_k, own_v = key.view(B, nb, k, hkv, D), val.view(B, nb, k, hkv, D)
         ref = _per_block_reference(q.view(B, nb, k, H, D), own_k, own_v, hist, chain, pk, pv, impl.scale)
         torch.testing.assert_close(out.view(B, nb, k, H, D), ref, rtol=1e-5, atol=1e-5)
@@ -84,28 +84,28 @@ def test_sampler_memory_is_bounded_and_chunking_changes_nothing(monkeypatch):
     want = greedy_verify(tree, nodes, logits[rows])
     assert max(len(a) for a in want.accepted_slots) >= 2                     # deep paths are accepted
     seen = []
-    orig = tree_mode.sample_verify
-    monkeypatch.setattr(tree_mode, "sample_verify",
+    orig = tree_verify.sample_verify
+    monkeypatch.setattr(tree_verify, "sample_verify",
                         lambda tr, nd, lg, *a, **kw: seen.append(lg.numel()) or orig(tr, nd, lg, *a, **kw))
     budget = 2 * (w + 1) * V                                    # two requests per chunk
     temp = torch.tensor([1.0, 0.0, 0.8, 1.0, 0.0, 2.0, 1.0])
     top_k = torch.tensor([1, 0, 1, 1, 5, 1, 1])
-    toks, acc = tree_mode.verify_requests(tree, nodes, logits, starts, temp, top_k, None, max_elems=budget)
+    toks, acc = tree_verify.verify_requests(tree, nodes, logits, starts, temp, top_k, None, max_elems=budget)
     assert len(seen) == 4 and max(seen) <= budget
     assert acc == want.accepted_slots
     assert toks.tolist() == want.output_token_ids(nodes, width=w + 1).tolist()
-    g_toks, g_acc = tree_mode.verify_requests(tree, nodes, logits, starts, argmax=am)
+    g_toks, g_acc = tree_verify.verify_requests(tree, nodes, logits, starts, argmax=am)
     assert len(seen) == 4 and g_acc == want.accepted_slots and torch.equal(g_toks, toks)
     # no tree (w = 0): one token per request, same bound
     seen.clear()
-    one, _ = tree_mode.verify_requests(None, None, logits, starts, temp, top_k, None, max_elems=2 * V)
+    one, _ = tree_verify.verify_requests(None, None, logits, starts, temp, top_k, None, max_elems=2 * V)
     assert one[:, 0].tolist() == am[starts].tolist()
 
 
 def test_compaction_picks_the_kernel_only_for_cuda_flash_caches():
     kv = torch.zeros(2, 4, 8, 1, 16)
-    assert not tree_mode._use_compaction_kernel([(kv, "flash")])
-    assert not tree_mode._use_compaction_kernel([])
+    assert not tree_verify._use_compaction_kernel([(kv, "flash")])
+    assert not tree_verify._use_compaction_kernel([])
 
 
 def test_verify_attention_serves_the_whole_batch_like_the_reference():
@@ -131,7 +131,7 @@ def test_verify_attention_serves_the_whole_batch_like_the_reference():
     table = torch.randperm(20)[:16].view(4, 4).to(torch.int32)
     md = SimpleNamespace(seq_lens=prefix + torch.tensor(qlens, dtype=torch.int32), block_table=table,
                          max_seq_len=int((prefix + torch.tensor(qlens)).max()))
-    attn = tree_mode.VerifyTreeAttention(None, None, qsl, bits, torch.device("cpu"), whole=True)
+    attn = tree_verify.VerifyTreeAttention(None, None, qsl, bits, torch.device("cpu"), whole=True)
     q, k, v = torch.randn(T + 3, H, D), torch.randn(T + 3, hkv, D), torch.randn(T + 3, hkv, D)  # + padding rows
     out = torch.full((T + 3, H * D), 7.0)
     attn.attend(FlashAttentionImplStub(0.25), _Layer(), q, k, v, kv, md, out)

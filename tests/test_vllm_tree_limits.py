@@ -37,7 +37,7 @@ class _Layer:
 def test_flash_attention_features_are_refused(setting, match):
     """vLLM's own FlashAttentionImpl (constructed on CPU) with each setting; fields its CUDA-only
     constructor rejects here (sinks, fp8) are set on the built impl as __init__ stores them."""
-    from falcon_vllm.vllm.tree_mode import _unsupported
+    from falcon_vllm.vllm.tree_verify import _unsupported
 
     late = {k: setting[k] for k in ("sinks", "kv_cache_dtype") if k in setting}
     impl = _fa(**{k: v for k, v in setting.items() if k not in late})
@@ -48,7 +48,7 @@ def test_flash_attention_features_are_refused(setting, match):
 
 
 def test_other_backends_and_groups_are_refused():
-    from falcon_vllm.vllm.tree_mode import _unsupported, check_startup
+    from falcon_vllm.vllm.tree_verify import _unsupported, check_startup
 
     class TritonAttentionImpl:
         pass

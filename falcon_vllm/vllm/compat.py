@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 import sys
 
+from falcon_vllm.vllm import patches
+
 
 def guard_llvmlite() -> bool:
     """Make llvmlite's ``_lib_wrapper`` raise AttributeError for ``__dunder__`` names.
@@ -75,7 +77,7 @@ def fix_cpu_expand() -> bool:
         return False
     if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
         return False
-    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
+    patches.wrap(cpu_triton_utils, "_expand_kernel_impl", lambda orig: expand_to_tokens)  # replaced, not wrapped
     return True
 
 
@@ -85,17 +87,14 @@ def guard_empty_sampling_constraints() -> bool:
     ``k.max()`` of an empty tensor: with nothing to constrain, return the (empty) logits unchanged."""
     from vllm.v1.sample import rejection_sampler as rs
 
-    fn = getattr(rs, "apply_sampling_constraints", None)
-    if fn is None or getattr(fn, "_falcon_guarded", False):
-        return False
+    def make(fn):
+        @functools.wraps(fn)
+        def apply_sampling_constraints(logits, *args, **kwargs):
+            return logits if logits.shape[0] == 0 else fn(logits, *args, **kwargs)
 
-    @functools.wraps(fn)
-    def apply_sampling_constraints(logits, *args, **kwargs):
-        return logits if logits.shape[0] == 0 else fn(logits, *args, **kwargs)
+        return apply_sampling_constraints
 
-    apply_sampling_constraints._falcon_guarded = True
-    rs.apply_sampling_constraints = apply_sampling_constraints
-    return True
+    return patches.wrap(rs, "apply_sampling_constraints", make)
 
 
 def install() -> None:
@@ -106,14 +105,15 @@ def install() -> None:
         from vllm.triton_utils import dispatcher
     except ImportError:  # another vLLM layout: nothing to guard
         return
-    scan = getattr(dispatcher, "_rebind_kernels", None)
-    if scan is None or getattr(scan, "_falcon_guarded", False):
+    if getattr(dispatcher, "_rebind_kernels", None) is None:
         return
 
-    @functools.wraps(scan)
-    def _rebind_kernels(*args, **kwargs):
-        guard_llvmlite()
-        return scan(*args, **kwargs)
+    def make(scan):
+        @functools.wraps(scan)
+        def _rebind_kernels(*args, **kwargs):
+            guard_llvmlite()
+            return scan(*args, **kwargs)
 
-    _rebind_kernels._falcon_guarded = True
-    dispatcher._rebind_kernels = _rebind_kernels
+        return _rebind_kernels
+
+    patches.wrap(dispatcher, "_rebind_kernels", make)

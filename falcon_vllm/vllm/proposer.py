@@ -41,8 +41,10 @@ from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm import tree_mode
+from falcon_vllm.vllm import patches, tree_verify
+from falcon_vllm.vllm.paged_kv import tree_attention_scope
 from falcon_vllm.vllm.stash import BlockInputStash
+from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
 
 logger = init_logger(__name__)
 PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
@@ -70,6 +72,7 @@ class FalconProposer(EagleProposer):
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
+        self.tree_state: TreeState | None = None  # tree mode's state (tree_draft.TreeState)
         if not self.falcon:
             return
         if self.falcon.get("mode") == "tree":
@@ -80,11 +83,7 @@ class FalconProposer(EagleProposer):
                 raise ValueError("falcon tree mode needs the target's attention outside CUDA graphs: run with "
                                  "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager "
                                  f"(cudagraph_mode is {mode.name})")
-            self.subtrees = tree_mode.SubtreeCache(self.tree, self.falcon.get("subtrees"))
-            self.drafted_k = self.tree.num_nodes  # nodes per request drafted by the last propose()
-            # per-depth acceptance of tree steps: drafts that reached depth d / tree steps
-            self.tree_steps = 0
-            self.tree_accepted_per_depth = [0] * self.tree.max_depth
+            self.tree_state = TreeState(self.tree, self.falcon.get("subtrees"))
         if self.uses_mrope:
             raise NotImplementedError("falcon-vllm: targets with M-RoPE positions are not supported")
         self._runner = runner  # its input batch gives the request ids (for the stash)
@@ -104,8 +103,10 @@ class FalconProposer(EagleProposer):
 
     def initialize_attn_backend(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_attn_backend(kv_cache_config, *args, **kwargs)
-        if self.tree is not None:  # start-up: the KV cache and every attention backend exist, no request yet
-            tree_mode.check_startup(self.vllm_config, kv_cache_config, self._draft_attn_layer_names)
+        if self.falcon:  # start-up: the KV cache and every attention backend exist, no request yet
+            patches.check_instances(self._runner, self.vllm_config, tree=self.tree is not None)
+        if self.tree is not None:
+            tree_verify.check_startup(self.vllm_config, kv_cache_config, self._draft_attn_layer_names)
 
     # ------------------------------------------------------------------ propose
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
@@ -163,11 +164,11 @@ class FalconProposer(EagleProposer):
         ``K`` may be below the tree size (vLLM's dynamic speculation); the first K nodes (in slot
         order, parents first) form a valid tree and only the passes it needs are run.
         """
-        tree = self.subtrees.get(K)
-        self.drafted_k = K
+        tree = self.tree_state.subtrees.get(K)
+        self.tree_state.drafted_k = K
         B, k, H = rows.shape
         prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
-        attn = tree_mode.DraftTreeAttention(cad.block_table_tensor[:B], prefix, k, max_prefix=cad.max_seq_len)
+        attn = DraftTreeAttention(cad.block_table_tensor[:B], prefix, k, max_prefix=cad.max_seq_len)
         offs = torch.arange(k, device=rows.device)
 
         def run_pass(p, ids, feats, ancestors):
@@ -193,14 +194,11 @@ class FalconProposer(EagleProposer):
         self.positions[:n] = flat_pos.to(self.positions.dtype)
         self.hidden_states[:n] = feats.reshape(n, -1)
         per_layer = {name: None for name in self._draft_attn_layer_names}
-        tree_mode.CTX.draft = attn
-        try:
-            with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
-                                     cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
-                out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
-                                    hidden_states=self.hidden_states[:n])
-        finally:
-            tree_mode.CTX.draft = None
+        with tree_attention_scope(attn), set_forward_context(per_layer, self.vllm_config, num_tokens=n,
+                                                             cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                                             slot_mapping={}):
+            out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
+                                hidden_states=self.hidden_states[:n])
         self.passes += 1
         return out[:n].view(NB, k, -1)
 
@@ -209,14 +207,6 @@ class FalconProposer(EagleProposer):
         B, R, H = rows.shape
         ids = self.model.compute_logits(rows.reshape(B * R, H)).topk(topk, dim=-1).indices
         return unwrap_model(self.model).to_target_ids(ids).view(B, R, topk)
-
-    def record_tree_step(self, widths, paths: dict[int, list[int]]) -> None:
-        """Per-depth acceptance of a verified tree step (called by the tree sampler)."""
-        for r, w in enumerate(widths):
-            if w > 0:
-                self.tree_steps += 1
-                for d in range(len(paths.get(r, ()))):
-                    self.tree_accepted_per_depth[d] += 1
 
     # ------------------------------------------------------------------ pieces
     def _relaxed_block_inputs(self, cad, last: torch.Tensor, B: int):

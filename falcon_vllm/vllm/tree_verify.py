@@ -1,33 +1,32 @@
-"""Tree mode inside vLLM's V1 model runner: the decoding tree verified in one target pass.
+"""Tree mode, the target's room: the decoding tree verified in one target pass of vLLM's V1 runner.
 
-A step of tree mode looks like this (the proposer side is in :mod:`falcon_vllm.vllm.proposer`):
+A step of tree mode (the drafter's side is in :mod:`falcon_vllm.vllm.tree_draft` and
+:mod:`falcon_vllm.vllm.proposer`; the state is the proposer's :class:`~falcon_vllm.vllm.tree_draft.TreeState`):
 
-1. The Falcon proposer drafts the tree's N node tokens per request; vLLM schedules them as the
-   request's N speculative tokens, so the target runs ``[root] + nodes`` (1 + N tokens, written to
-   consecutive KV slots as for a chain).
+1. **Schedule.** The Falcon proposer drafted the tree's N node tokens per request; vLLM schedules
+   them as the request's N speculative tokens, so the target runs ``[root] + nodes`` (1 + N
+   tokens, written to consecutive KV slots as for a chain).
 2. ``_prepare_inputs`` (wrapped): the positions of the node tokens are rewritten to
-   ``root position + depth``, and the tree-attention context is armed for this forward.
-3. Target attention (the backend's ``forward``, wrapped): every token's attention is computed once.
-   When the batch holds only trees and short queries, the tree path serves every row (tree requests
-   over the paged prefix plus their in-flight tokens under the ancestor mask, the others causally)
-   and the stock kernel is skipped (CUDA: the Triton kernel of ``kernels/tree_attention.py``; CPU: one
-   batched masked SDPA per layer).  A batch with a prefill chunk runs the stock kernel and recomputes
-   the tree requests' rows only.
+   ``root position + depth`` and the step's :class:`TreeStep` (with its attention) is built.
+3. **Verify.** ``_model_forward`` (wrapped) runs the target under the step's
+   :class:`VerifyTreeAttention`: every token's attention is computed once.  When the batch holds
+   only trees and short queries, the tree path serves every row (tree requests over the paged
+   prefix plus their in-flight tokens under the ancestor mask, the others causally) and the stock
+   kernel is skipped (CUDA: the Triton kernel of ``kernels/tree_attention.py``; CPU: one batched
+   masked SDPA per layer).  A batch with a prefill chunk runs the stock kernel and recomputes the
+   tree requests' rows only.
 4. ``_sample`` (wrapped): the tree sampler (greedy or lossless recursive rejection sampling from
-   :mod:`falcon_vllm.verify`) replaces vLLM's chain rejection sampler.  It emits the accepted
+   :mod:`falcon_vllm.verify`) replaces vLLM's chain rejection sampler and emits the accepted
    path's tokens + the bonus token in vLLM's output format.
-5. Compaction: the accepted nodes' target K/V are copied into the slots right after the root, and
+5. **Compact.** The accepted nodes' target K/V are copied into the slots right after the root, and
    the runner's per-token buffers (input ids, positions, target hidden states) are reordered the
    same way.  From here on the step is indistinguishable from a chain step that accepted ``a``
    tokens: vLLM's rollback (``num_computed -= N - a``), prefix caching, metrics and the drafter's
    next chunk pass (which rewrites the drafter's K/V for the accepted positions) all stay correct.
+   On CUDA the compaction is one launch of ``kernels/kv_compaction.py`` for all layers; the tree
+   sampler copies logits in bounded chunks.
 
-The drafter's SAR tree passes attend to the drafter's paged prefix, their ancestor blocks and
-themselves, in one batched attention call per layer and pass; their K/V live only for the step
-(:class:`DraftTreeAttention`), never in the paged cache.  Compaction on CUDA is one launch of
-``kernels/kv_compaction.py`` for all layers; the tree sampler copies logits in bounded chunks.
-
-All hooks check ``runner.drafter.tree``; runners without a Falcon tree are untouched.
+All hooks check for the proposer's tree state; runners without a Falcon tree are untouched.
 """
 
 from __future__ import annotations
@@ -36,32 +35,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 
-from falcon_vllm.kernels.tree_attention import (causal_tree_bits, pack_tree_mask, tree_attention_ref,
-                                                unpack_tree_bits)
+from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_bits
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_verify
-
-logger = init_logger(__name__)
-
-
-# ---------------------------------------------------------------------------- paged KV layouts
-def kv_layout(impl, layer=None) -> str:
-    """The paged layout of a layer's KV cache: ``cpu`` (CPU_ATTN, vec ISAs) or ``flash`` (NHD)."""
-    name = type(impl).__name__
-    if name.startswith("CPUAttention"):
-        isa = getattr(layer, "isa", "vec")
-        if isa not in ("vec", "vec16"):
-            raise NotImplementedError(f"falcon tree mode: the CPU attention ISA {isa!r} packs its KV cache in a "
-                                      "layout tree mode cannot read (supported: vec, vec16; use float32/float16)")
-        return "cpu"
-    if name.startswith("FlashAttention"):
-        return "flash"
-    raise NotImplementedError(f"falcon tree mode: attention backend {name} is not supported "
-                              "(supported: CPU_ATTN on CPU, FLASH_ATTN on CUDA)")
+from falcon_vllm.vllm import patches
+from falcon_vllm.vllm.paged_kv import copy_kv_slots, dense_attention, kv_layout, paged_kv, tree_attention_scope
+from falcon_vllm.vllm.tree_draft import TreeState
 
 
+# ---------------------------------------------------------------------------- start-up
 def _unsupported(name: str, layer) -> str | None:
     """What tree attention cannot compute exactly for this attention layer (None: supported)."""
     impl = layer.impl
@@ -114,36 +97,7 @@ def check_startup(vllm_config, kv_cache_config, draft_layer_names) -> None:
                          f"target layers in groups {sorted(target)}){hint}")
 
 
-def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's KV cache -> (key_cache, value_cache) as [num_blocks, block_size, Hkv, D] views.
-
-    vLLM 0.32 gives every attention layer the logical view [num_blocks, Hkv, block_size, 2 * D]
-    (``create_kv_cache_views``) with the strides of the resolved ``KVCacheLayout``.
-    """
-    if layout == "flash":
-        # FLASH_ATTN: any stride order; K and V are read exactly as FlashAttentionImpl.forward does
-        return tuple(kv_cache.transpose(1, 2).split(kv_cache.shape[-1] // 2, dim=-1))
-    if layout == "cpu":
-        # CPU_ATTN (vec ISAs): per (block, kv head) bs*D key values stored [D, bs] (transposed),
-        # then bs*D values stored [bs, D]
-        nb, hkv, bs, d2 = kv_cache.shape
-        d = d2 // 2
-        flat = kv_cache.view(nb, hkv, bs * d2)
-        keys = flat[:, :, : bs * d].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
-        vals = flat[:, :, bs * d:].unflatten(2, (bs, d)).permute(0, 2, 1, 3)
-        return keys, vals
-    raise ValueError(f"falcon tree mode: unknown KV layout {layout!r}")
-
-
-def copy_kv_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the K/V of flat slots ``src`` into slots ``dst`` (all heads) of one layer's cache."""
-    kc, vc = paged_kv(kv_cache, layout)
-    bs = kc.shape[1]
-    sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
-    for c in (kc, vc):
-        c[db, do] = c[sb, so]  # the right side is gathered before the write
-
-
+# ---------------------------------------------------------------------------- target attention
 def _attn_fn(q: torch.Tensor):
     if q.is_cuda:
         try:
@@ -184,6 +138,13 @@ class VerifyTreeAttention:
         self.max_w = int(np.diff(qsl).max())
         self._md = None  # the metadata the cached prefix lengths / block table belong to
         self._prefix = self._table = None
+
+    @property
+    def alone(self) -> bool:  # see paged_kv.tree_attention_scope
+        return self.whole
+
+    def wants(self, md) -> bool:
+        return md is not None  # vLLM's dummy/profile forwards carry no metadata
 
     def attend(self, impl, layer, q, k, v, kv_cache, md, output):
         kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
@@ -233,123 +194,6 @@ class VerifyTreeAttention:
         return o[valid]                                                         # [T, H, D], request order
 
 
-def dense_attention(q, keys, values, mask, scale):
-    """One batched attention call: q [B, Q, H, D], keys/values [B, L, Hkv, D], mask [B or 1, Q, L] bool."""
-    H, hkv = q.shape[2], keys.shape[2]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=H != hkv)
-    return o.transpose(1, 2)                                                   # [B, Q, H, D]
-
-
-class DraftTreeAttention:
-    """The drafter's SAR tree passes of one step, batched: one attention call per layer and pass.
-
-    Block j of request r in pass t sees the drafter's paged prefix of r (``prefix_lens[r]``
-    positions), the K/V of its ancestor blocks from the earlier tree passes of this step (kept
-    here, never written to the paged cache), and its own k tokens (non-causal).  Every request's
-    prefix is gathered once per layer and step into a padded [B, P_max] tensor; the keys of a pass
-    are [prefix | all blocks of the earlier passes | this pass's blocks] with one boolean mask
-    (prefix length per request, ancestor blocks and own block per query row) shared by all layers.
-    """
-
-    def __init__(self, block_table: torch.Tensor, prefix_lens: torch.Tensor, k: int,
-                 max_prefix: int | None = None):
-        self.block_table = block_table
-        self.prefix_lens = prefix_lens
-        self.B, self.k = block_table.shape[0], k
-        # the padded prefix length: exact on CPU (no device to wait for), a host-side bound on GPU
-        if max_prefix is None or not prefix_lens.is_cuda:
-            max_prefix = int(prefix_lens.max()) if self.B else 0
-        self.P = max(int(max_prefix), 1)
-        self.store: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.nb = 0
-        self.mask: torch.Tensor | None = None   # [B, nb * k, P + keys of earlier passes + nb * k]
-        self._sizes: list[int] = []             # blocks of each pass begun so far
-        self._prefix: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pmask = (torch.arange(self.P, device=prefix_lens.device)[None] < prefix_lens[:, None])[:, None]
-
-    def begin_pass(self, chain: torch.Tensor) -> None:
-        """chain [nb, passes so far]: the ancestor block of each block in every earlier pass."""
-        nb, t = chain.shape
-        k = self.k
-        sizes = self._sizes
-        if len(sizes) != t:
-            raise ValueError(f"begin_pass: {t} earlier passes in the chain, {len(sizes)} passes run")
-        self._sizes = sizes + [nb]
-        self.nb = nb
-        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) * k
-        hist = int(offs[-1])
-        own = torch.zeros(nb * k, hist + nb * k, dtype=torch.bool)
-        rows = torch.arange(nb * k)
-        blk = rows // k
-        ch = chain.cpu().long()
-        for s in range(t):                       # ancestor block of pass s: its k keys
-            cols = int(offs[s]) + ch[blk, s][:, None] * k + torch.arange(k)[None]
-            own[rows[:, None], cols] = True
-        own[rows[:, None], hist + blk[:, None] * k + torch.arange(k)[None]] = True   # own block, non-causal
-        dev = self.prefix_lens.device
-        self.mask = torch.cat([self._pmask.expand(self.B, nb * k, self.P),
-                               own.to(dev)[None].expand(self.B, -1, -1)], dim=2)
-
-    def _padded_prefix(self, name, kc, vc):
-        if name not in self._prefix:
-            bs = kc.shape[1]
-            nblk = (self.P + bs - 1) // bs
-            blocks = self.block_table[:, :nblk].long()                              # [B, nblk]
-            hkv, D = kc.shape[2], kc.shape[3]
-            pk = kc[blocks].reshape(self.B, nblk * bs, hkv, D)[:, : self.P]
-            pv = vc[blocks].reshape(self.B, nblk * bs, hkv, D)[:, : self.P]
-            self._prefix[name] = (pk, pv)
-        return self._prefix[name]
-
-    def attend(self, impl, layer, q, key, value, kv_cache, output):
-        name = layer.layer_name
-        B, nb, k = self.B, self.nb, self.k
-        n = B * nb * k
-        H, D, hkv = q.shape[1], q.shape[2], key.shape[1]
-        own_k = key[:n].reshape(B, nb * k, hkv, D)
-        own_v = value[:n].reshape(B, nb * k, hkv, D)
-        hist = self.store.setdefault(name, [])
-        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
-        pk, pv = self._padded_prefix(name, kc, vc)
-        keys = torch.cat([pk] + [h[0] for h in hist] + [own_k], dim=1)
-        vals = torch.cat([pv] + [h[1] for h in hist] + [own_v], dim=1)
-        o = dense_attention(q[:n].reshape(B, nb * k, H, D), keys, vals, self.mask, impl.scale)
-        out = output.view(-1, H, D)
-        out[:n] = o.reshape(n, H, D).to(out.dtype)
-        hist.append((own_k.clone(), own_v.clone()))
-        return output
-
-
-class _Ctx:
-    verify: VerifyTreeAttention | None = None
-    draft: DraftTreeAttention | None = None
-
-
-CTX = _Ctx()
-
-
-def _wrap_attention_impl(cls) -> None:
-    orig = cls.forward
-    if getattr(orig, "_falcon", False):
-        return
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
-        if CTX.draft is not None:
-            return CTX.draft.attend(self, layer, query, key, value, kv_cache, output)
-        verify = CTX.verify if attn_metadata is not None else None
-        if verify is not None and verify.whole:  # the tree path serves every row: the stock kernel is skipped
-            verify.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
-            return output
-        result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if verify is not None:
-            verify.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
-        return result
-
-    forward._falcon = True
-    cls.forward = forward
-
 
 # ---------------------------------------------------------------------------- runner hooks
 @dataclass
@@ -359,59 +203,16 @@ class TreeStep:
     root_rows: np.ndarray       # [num_reqs] token row of each request's root (-1: no tree)
     widths: np.ndarray          # [num_reqs] tree nodes scheduled (0: no tree)
     slot_mapping: torch.Tensor  # [num_tokens] KV slot of every scheduled token (sequential)
+    attention: "VerifyTreeAttention | None" = None  # the target forward's (taken by _model_forward)
 
 
-class SubtreeCache:
-    """The trees a step may draft: the full tree, or a W-node subtree when vLLM's dynamic
-    speculation (``num_speculative_tokens_per_batch_size``) asks for W tokens at this batch size.
 
-    ``sized`` maps W to the subtree fitted for it by ``falcon-vllm tune-tree``; other sizes take the
-    first W nodes in slot order.  ``prefix(K, w)`` is the tree of a request whose K drafted nodes
-    were cut to w by the scheduler (slot order puts parents first, so any prefix is a tree).
-    """
-
-    def __init__(self, tree: DecodingTree, sized: dict | None = None):
-        self.tree = tree
-        self._sub: dict[int, DecodingTree] = {}
-        for w, paths in (sized or {}).items():
-            self._sub[int(w)] = DecodingTree(paths, tree.k, f"{tree.name}[{int(w)}]")
-        self._prefix: dict[tuple[int, int], DecodingTree] = {}
-        self._bits: dict[tuple[int, int, int], torch.Tensor] = {}
-
-    def get(self, w: int) -> DecodingTree:
-        if w >= self.tree.num_nodes:
-            return self.tree
-        if w not in self._sub:
-            self._sub[w] = DecodingTree(self.tree.to_list()[:w], self.tree.k, f"{self.tree.name}[:{w}]")
-        return self._sub[w]
-
-    def prefix(self, K: int, w: int) -> DecodingTree:
-        full = self.get(K)
-        if w >= full.num_nodes:
-            return full
-        if (K, w) not in self._prefix:
-            self._prefix[(K, w)] = DecodingTree(full.to_list()[:w], full.k, f"{full.name}[:{w}]")
-        return self._prefix[(K, w)]
-
-    def causal_bits(self, width: int, words: int) -> torch.Tensor:
-        key = (-1, width, words)
-        if key not in self._bits:
-            self._bits[key] = causal_tree_bits(width, words)
-        return self._bits[key]
-
-    def bits(self, K: int, w: int, words: int) -> torch.Tensor:
-        key = (K, w, words)
-        if key not in self._bits:
-            self._bits[key] = pack_tree_mask(self.prefix(K, w).ancestor_mask, words)
-        return self._bits[key]
+def tree_state(runner) -> TreeState | None:
+    """The tree state of the runner's Falcon proposer (None: not a Falcon tree runner)."""
+    return getattr(getattr(runner, "drafter", None), "tree_state", None)
 
 
-def _tree_drafter(runner):
-    d = getattr(runner, "drafter", None)
-    return d if getattr(d, "tree", None) is not None else None
-
-
-def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
+def _begin_tree_step(runner, state: TreeState, md, num_scheduled_tokens) -> TreeStep:
     widths = np.asarray(md.num_draft_tokens, dtype=np.int64)
     n_sched = np.asarray(num_scheduled_tokens[: len(widths)], dtype=np.int64)
     cu = np.cumsum(n_sched)
@@ -427,7 +228,7 @@ def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
             w = int(widths[r])
             rows.append(root_rows[r] + 1 + np.arange(w))
             roots.append(np.full(w, root_rows[r]))
-            depth.append(drafter.subtrees.prefix(drafter.drafted_k, w).depth[1:].numpy())
+            depth.append(state.drafted(w).depth[1:].numpy())
         rows_t = torch.from_numpy(np.concatenate(rows)).to(dev)
         roots_t = torch.from_numpy(np.concatenate(roots)).to(dev)
         runner.positions[rows_t] = runner.positions[roots_t] + torch.from_numpy(np.concatenate(depth)).to(
@@ -439,16 +240,17 @@ def _begin_tree_step(runner, drafter, md, num_scheduled_tokens) -> TreeStep:
         qlens = np.where(widths[reqs] > 0, widths[reqs] + 1, n_sched[reqs])
         qsl = np.concatenate([[0], np.cumsum(qlens)])
         words = (int(qlens.max()) + 31) // 32
-        bits = torch.cat([drafter.subtrees.bits(drafter.drafted_k, int(widths[r]), words) if widths[r] > 0
-                          else drafter.subtrees.causal_bits(int(n_sched[r]), words) for r in reqs])
+        bits = torch.cat([state.subtrees.bits(state.drafted_k, int(widths[r]), words) if widths[r] > 0
+                          else state.subtrees.causal_bits(int(n_sched[r]), words) for r in reqs])
         all_rows = None if whole else np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
-        CTX.verify = VerifyTreeAttention(all_rows, trees, qsl, bits, dev, whole)
+        attention = VerifyTreeAttention(all_rows, trees, qsl, bits, dev, whole)
+        return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping, attention=attention)
     return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping)
 
 
-def _target_kv_caches(runner, drafter) -> list[tuple[torch.Tensor, str]]:
+def _target_kv_caches(runner) -> list[tuple[torch.Tensor, str]]:
     ctx = runner.vllm_config.compilation_config.static_forward_context
-    draft = set(getattr(drafter, "_draft_attn_layer_names", ()) or ())
+    draft = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
     out = []
     for name, layer in ctx.items():
         if name in draft or not hasattr(layer, "kv_cache") or not hasattr(layer, "impl"):
@@ -534,7 +336,7 @@ def verify_requests(tree: DecodingTree | None, nodes, logits: torch.Tensor, star
     return torch.cat(toks), accepted
 
 
-def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
+def tree_sample(runner, state: TreeState, step: TreeStep, logits: torch.Tensor, md):
     """Verify each request's tree, compact the accepted path, return vLLM's ``SamplerOutput``."""
     from vllm.v1.outputs import SamplerOutput
 
@@ -566,7 +368,7 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
         tp = None if sm.top_p is None else sm.top_p[idx]
         dstart = torch.from_numpy(cu_d[reqs] - w).to(dev)              # plain requests (w = 0) are done above
         nodes = draft[dstart[:, None] + torch.arange(w, device=dev)]                # [G, w]
-        sub = drafter.subtrees.prefix(drafter.drafted_k, w)
+        sub = state.drafted(w)
         toks, accepted = verify_requests(sub, nodes, logits, starts, t, tk, tp, gens.get(seeded), argmax)
         out[idx, : w + 1] = toks.to(torch.int32)
         for i, r in enumerate(reqs):
@@ -576,8 +378,8 @@ def tree_sample(runner, drafter, step: TreeStep, logits: torch.Tensor, md):
     if sm.max_num_logprobs is not None:
         logprobs = _logprobs(runner, logits, out, cu_s - widths - 1, paths, sm.max_num_logprobs)
     if paths:
-        _compact(runner, drafter, step, paths)
-    drafter.record_tree_step(widths, paths)
+        _compact(runner, state, step, paths)
+    state.record(widths, paths)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
 
@@ -596,7 +398,7 @@ def _logprobs(runner, logits, out, starts, paths, num_logprobs):
     return runner.sampler.gather_logprobs(lp, num_logprobs, out.reshape(-1).clamp(min=0).long())
 
 
-def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> None:
+def _compact(runner, state: TreeState, step: TreeStep, paths: dict[int, list[int]]) -> None:
     """Move the accepted nodes' K/V and per-token buffers next to the root (path order)."""
     src, dst = [], []
     for r, path in paths.items():
@@ -612,11 +414,11 @@ def _compact(runner, drafter, step: TreeStep, paths: dict[int, list[int]]) -> No
     dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
     slots_src = step.slot_mapping[src_t].long()
     slots_dst = step.slot_mapping[dst_t].long()
-    compact_kv(_target_kv_caches(runner, drafter), slots_src, slots_dst, cache=runner)
+    compact_kv(_target_kv_caches(runner), slots_src, slots_dst, state=state)
     ids = runner.input_ids.gpu
     ids[dst_t] = ids[src_t]
     runner.positions[dst_t] = runner.positions[src_t]
-    hidden = getattr(runner, "_falcon_hidden_states", None)
+    hidden = state.hidden_states
     if hidden is not None:
         hidden[dst_t] = hidden[src_t]
 
@@ -632,13 +434,13 @@ def _use_compaction_kernel(kvs) -> bool:
     return True
 
 
-def compact_kv(kvs: list[tuple[torch.Tensor, str]], src: torch.Tensor, dst: torch.Tensor, cache=None,
-               kernel: bool | None = None) -> None:
+def compact_kv(kvs: list[tuple[torch.Tensor, str]], src: torch.Tensor, dst: torch.Tensor,
+               state: TreeState | None = None, kernel: bool | None = None) -> None:
     """Copy flat slots ``src`` -> ``dst`` in every layer's K and V (dst <= src, dst increasing per request).
 
     On CUDA (FLASH_ATTN layout) one launch of ``kernels/kv_compaction.py`` moves all layers; elsewhere
     two index copies per layer.  ``kernel`` overrides the choice (tests run the Triton kernel under
-    ``TRITON_INTERPRET=1`` on CPU tensors); ``cache`` keeps the kernel's plane pointer table.
+    ``TRITON_INTERPRET=1`` on CPU tensors); ``state`` keeps the kernel's plane pointer table.
     """
     if not (_use_compaction_kernel(kvs) if kernel is None else kernel):
         for kv, layout in kvs:
@@ -647,56 +449,71 @@ def compact_kv(kvs: list[tuple[torch.Tensor, str]], src: torch.Tensor, dst: torc
     from falcon_vllm.kernels.kv_compaction import kv_compaction, plane_table
 
     key = tuple(kv.data_ptr() for kv, _ in kvs)
-    table = getattr(cache, "_falcon_plane_table", None)
+    table = None if state is None else state.plane_table
     if table is None or table[0] != key:  # cache tensors do not move: built once
         table = (key, plane_table([p for kv, layout in kvs for p in paged_kv(kv, layout)]))
-        if cache is not None:
-            cache._falcon_plane_table = table
+        if state is not None:
+            state.plane_table = table
     kv_compaction(table[1], src.contiguous(), dst.contiguous())
 
 
-def install_runner_hooks() -> None:
-    """Wrap the V1 runner's ``_prepare_inputs``, ``sample_tokens``, ``_sample`` and ``take_draft_token_ids``
-    (idempotent)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner._sample, "_falcon", False):
-        return
-    orig_prepare, orig_sample, orig_sample_tokens = (GPUModelRunner._prepare_inputs, GPUModelRunner._sample,
-                                                     GPUModelRunner.sample_tokens)
-    orig_take = GPUModelRunner.take_draft_token_ids
-
+# ---------------------------------------------------------------------------- runner hooks
+def _prepare_inputs(orig):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        res = orig_prepare(self, scheduler_output, num_scheduled_tokens)
-        CTX.verify = None
-        self._falcon_tree_step = None
-        drafter = _tree_drafter(self)
-        if drafter is not None and res[1] is not None:
-            self._falcon_tree_step = _begin_tree_step(self, drafter, res[1], num_scheduled_tokens)
+        res = orig(self, scheduler_output, num_scheduled_tokens)
+        state = tree_state(self)
+        if state is not None:
+            state.step = None if res[1] is None else _begin_tree_step(self, state, res[1], num_scheduled_tokens)
         return res
 
+    return _prepare_inputs
+
+
+def _model_forward(orig):
+    def _model_forward(self, *args, **kwargs):
+        state = tree_state(self)
+        step = None if state is None else state.step
+        if step is None or step.attention is None:
+            return orig(self, *args, **kwargs)
+        attention, step.attention = step.attention, None  # one target forward per step uses it
+        with tree_attention_scope(attention):
+            return orig(self, *args, **kwargs)
+
+    return _model_forward
+
+
+def _sample_tokens(orig):
     def sample_tokens(self, grammar_output):
-        state = getattr(self, "execute_model_state", None)
-        # the target hidden states of this step (reordered in place by the compaction)
-        self._falcon_hidden_states = (state.hidden_states if state is not None and _tree_drafter(self) is not None
-                                      else None)
+        state = tree_state(self)
+        if state is None:
+            return orig(self, grammar_output)
+        ems = self.execute_model_state  # the target hidden states of this step (the compaction reorders them)
+        state.hidden_states = ems.hidden_states if ems is not None else None
         try:
-            return orig_sample_tokens(self, grammar_output)
+            return orig(self, grammar_output)
         finally:
-            self._falcon_hidden_states = None
+            state.hidden_states = None
 
+    return sample_tokens
+
+
+def _sample(orig):
     def _sample(self, logits, spec_decode_metadata):
-        CTX.verify = None  # the target forward of this step is over
-        step, self._falcon_tree_step = getattr(self, "_falcon_tree_step", None), None
-        drafter = _tree_drafter(self)
-        if step is None or drafter is None or spec_decode_metadata is None:
-            return orig_sample(self, logits, spec_decode_metadata)
+        state = tree_state(self)
+        step = None if state is None else state.step
+        if step is None or spec_decode_metadata is None:
+            return orig(self, logits, spec_decode_metadata)
+        state.step = None
         self.input_batch.update_async_output_token_ids()
-        return tree_sample(self, drafter, step, logits, spec_decode_metadata)
+        return tree_sample(self, state, step, logits, spec_decode_metadata)
 
+    return _sample
+
+
+def _take_draft_token_ids(orig):
     def take_draft_token_ids(self):
-        out = orig_take(self)
-        if out is not None and _tree_drafter(self) is not None:
+        out = orig(self)
+        if out is not None and tree_state(self) is not None:
             # requests the tree sampler cannot serve exactly get no speculative tokens scheduled
             custom = _custom_logitsprocs(self)
             out.draft_token_ids = [t if not custom and tree_drafts_for(
@@ -704,25 +521,13 @@ def install_runner_hooks() -> None:
                 for rid, t in zip(out.req_ids, out.draft_token_ids)]
         return out
 
-    for f in (_prepare_inputs, sample_tokens, _sample, take_draft_token_ids):
-        f._falcon = True
-    GPUModelRunner._prepare_inputs = _prepare_inputs
-    GPUModelRunner.sample_tokens = sample_tokens
-    GPUModelRunner._sample = _sample
-    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
-
-
-def install_attention_hooks() -> None:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    _wrap_attention_impl(CPUAttentionBackendImpl)
-    try:
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-    except Exception:  # not importable on CPU builds
-        return
-    _wrap_attention_impl(FlashAttentionImpl)
+    return take_draft_token_ids
 
 
 def install() -> None:
-    install_runner_hooks()
-    install_attention_hooks()
+    """Wrap the V1 runner's methods tree mode hooks (idempotent; see :mod:`falcon_vllm.vllm.patches`)."""
+    runner = patches.resolve("vllm.v1.worker.gpu_model_runner:GPUModelRunner")
+    for name, make in (("_prepare_inputs", _prepare_inputs), ("_model_forward", _model_forward),
+                       ("sample_tokens", _sample_tokens), ("_sample", _sample),
+                       ("take_draft_token_ids", _take_draft_token_ids)):
+        patches.wrap(runner, name, make)

