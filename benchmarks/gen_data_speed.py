@@ -43,7 +43,7 @@ def main(argv=None):
                      "generate_s": sh["generate_s"], "featurize_s": sh["featurize_s"],
                      "answer_tok_s_generate": round(sh["answer_tokens"] / sh["generate_s"], 1),
                      "answer_tok_s_total": round(sh["answer_tokens"] / (sh["generate_s"] + sh["featurize_s"]), 1)})
-        answers[backend] = [s[0].tolist() for s in gen_data.load_shards(out)]
+        answers[backend] = [s.tokens.tolist() for s in gen_data.load_shards(out)]
     same = sum(a == b for a, b in zip(answers["vllm"], answers["hf"]))
     res = {"command": "python benchmarks/gen_data_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "rows": rows, "identical_conversations": same, "conversations": len(answers["vllm"])}

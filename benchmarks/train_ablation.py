@@ -68,11 +68,11 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240, stride: int = 3
     depth = max(t.max_depth for t in trees.values())
     profs = []
     with torch.inference_mode():
-        for tok, mask, hid, *_ in samples:
-            start = int(mask.nonzero()[0]) if mask.any() else len(tok)
-            rs = list(range(max(start, k), len(tok) - depth - 1, stride))[: max_roots - len(profs)]
+        for s in samples:
+            start = int(s.loss_mask.nonzero()[0]) if s.loss_mask.any() else len(s.tokens)
+            rs = list(range(max(start, k), len(s.tokens) - depth - 1, stride))[: max_roots - len(profs)]
             if rs:
-                profs += rank_profile(drafter, tok, hid.float(), depth, 20, rs)
+                profs += rank_profile(drafter, s.tokens, s.features.float(), depth, 20, rs)
             if len(profs) >= max_roots:
                 break
     out = {"roots": len(profs)}

@@ -189,10 +189,10 @@ def main(args):
 
         data = load_shards(args.data)
         held = data[-max(1, len(data) // 16):][:args.num_prompts]
-        for tok_ids, mask, hid in tqdm(held, desc="rank profile (held-out)"):
-            start = int(mask.nonzero()[0]) if mask.any() else len(tok_ids)
-            roots = list(range(max(start, drafter.k), len(tok_ids) - args.max_depth - 1, 2))
-            profiles += rank_profile(drafter, tok_ids, hid.float(), args.max_depth, args.topk, roots)
+        for s in tqdm(held, desc="rank profile (held-out)"):
+            start = int(s.loss_mask.nonzero()[0]) if s.loss_mask.any() else len(s.tokens)
+            roots = list(range(max(start, drafter.k), len(s.tokens) - args.max_depth - 1, 2))
+            profiles += rank_profile(drafter, s.tokens, s.features.float(), args.max_depth, args.topk, roots)
     for q in tqdm(load_chat_prompts(args.dataset, args.num_prompts) if not args.data else [], desc="rank profile"):
         ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids

