@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 
 SUPPORTED_VLLM = ">=0.32,<0.34"   # the one statement of the supported range (setup.py reads it)
-_SUPPORTED = ((0, 32), (0, 34))   # the same, as (major, minor) bounds: [low, high)
 
 
 class VllmVersionError(RuntimeError):
@@ -56,7 +56,7 @@ PATCHES = (
     Patch("vllm.engine.arg_utils:EngineArgs", "create_speculative_config",
           ("self", "target_model_config", "target_parallel_config"), "method falcon -> vLLM's EAGLE plumbing"),
     Patch("vllm.engine.arg_utils:EngineArgs", "add_cli_args", ("parser",), "--speculative-model (older CLI form)"),
-    Patch("vllm.engine.arg_utils:EngineArgs", "from_cli_args", ("args",), "--speculative-model (older CLI form)"),
+    Patch("vllm.engine.arg_utils:EngineArgs", "from_cli_args", ("cls", "args"), "--speculative-model (older CLI form)"),
     Patch("vllm.v1.worker.gpu_model_runner", "EagleProposer", None,
           "the runner instantiates this name for method eagle: FalconProposer takes its place"),
     Patch(_RUNNER, "propose_draft_token_ids", ("self", "scheduler_output", "sampled_token_ids"),
@@ -161,12 +161,16 @@ def check_version() -> None:
         major, minor = (int(x) for x in ver.split(".")[:2])
     except ValueError:
         major, minor = 0, 0
-    if not _SUPPORTED[0] <= (major, minor) < _SUPPORTED[1]:
+    low, high = (tuple(map(int, b)) for b in re.findall(r"(\d+)\.(\d+)", SUPPORTED_VLLM))  # [low, high)
+    if not low <= (major, minor) < high:
         fail("the plugin cannot run")
 
 
-def _params(fn) -> list[str]:
-    return list(inspect.signature(getattr(fn, "__falcon_original__", fn)).parameters)
+def _params(obj, name) -> list[str]:
+    """Parameters of vLLM's own function behind ``obj.name`` (a class method's ``cls`` included)."""
+    raw = _raw(obj, name)
+    func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    return list(inspect.signature(getattr(func, "__falcon_original__", func)).parameters)
 
 
 def check_classes() -> None:
@@ -175,13 +179,13 @@ def check_classes() -> None:
     for p in PATCHES:
         try:
             obj = resolve(p.owner)
-            target = getattr(obj, p.name)
+            getattr(obj, p.name)
         except (ImportError, AttributeError):
             if p.optional:
                 continue
             fail(f"{p.owner.replace(':', '.')}.{p.name} is missing (the plugin replaces it: {p.why})")
-        if p.params is not None and _params(target)[: len(p.params)] != list(p.params):
-            fail(f"{p.owner.replace(':', '.')}.{p.name} takes {_params(target)}, not {list(p.params)} ({p.why})")
+        if p.params is not None and (have := _params(obj, p.name))[: len(p.params)] != list(p.params):
+            fail(f"{p.owner.replace(':', '.')}.{p.name} takes {have}, not {list(p.params)} ({p.why})")
     from vllm.v1.spec_decode.eagle import EagleProposer
 
     runner_proposer = resolve("vllm.v1.worker.gpu_model_runner").EagleProposer
@@ -200,8 +204,8 @@ def check_classes() -> None:
             missing = [n for n in names if not callable(getattr(obj, n, None))]
         if missing:
             fail(f"{owner.replace(':', '.')} lacks {missing}")
-    if _params(EagleProposer.propose) != list(PROPOSE_PARAMS):
-        fail(f"EagleProposer.propose has a new signature {_params(EagleProposer.propose)}")
+    if (have := _params(EagleProposer, "propose")) != list(PROPOSE_PARAMS):
+        fail(f"EagleProposer.propose has a new signature {have}")
 
 
 def check_instances(runner, vllm_config, tree: bool) -> None:
