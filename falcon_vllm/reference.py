@@ -172,11 +172,11 @@ class FalconReferenceEngine:
         from transformers import DynamicCache
 
         if not prompt_ids:
-            raise ValueError("generate: the prompt is empty")
+            raise ValueError("falcon-vllm: generate: the prompt is empty")
         max_pos = getattr(self.target.config, "max_position_embeddings", None)
         need = len(prompt_ids) + max_new_tokens + self.tree.max_depth + 1
         if max_pos is not None and need > max_pos:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree "
+            raise ValueError(f"falcon-vllm: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + tree "
                              f"depth ({self.tree.max_depth}) exceeds the target's context ({max_pos})")
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         gen = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -178,7 +178,7 @@ class Soak:
         chat = "messages" in body
         async with session.post(self.url + path, json=dict(body, stream=stream)) as r:
             if r.status != 200:
-                raise RuntimeError(f"status {r.status}: {(await r.text())[:300]}")
+                raise RuntimeError(f"falcon-vllm: status {r.status}: {(await r.text())[:300]}")
             if not stream:
                 c = (await r.json())["choices"][0]
                 return c["message"]["content"] if chat else c["text"]
@@ -192,7 +192,7 @@ class Soak:
                     text.append((c[0].get("delta", {}).get("content") if chat else c[0].get("text")) or "")
                     finished = finished or c[0].get("finish_reason") is not None
             if not finished:
-                raise RuntimeError("stream ended without a finish reason")
+                raise RuntimeError("falcon-vllm: stream ended without a finish reason")
             return "".join(text)
 
     async def _abort(self, session, rng: random.Random) -> None:

@@ -78,31 +78,31 @@ class DecodingTree:
 
     def __init__(self, paths: Sequence[Sequence[int]], k: int, name: str | None = None):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"DecodingTree: block size k must be an integer >= 1, got {k!r}")
+            raise ValueError(f"falcon-vllm: DecodingTree: block size k must be an integer >= 1, got {k!r}")
         paths = list(paths)
         if not paths:
-            raise ValueError("DecodingTree: the tree has no paths; give at least one, e.g. [[0]]")
+            raise ValueError("falcon-vllm: DecodingTree: the tree has no paths; give at least one, e.g. [[0]]")
         seen: set[Path] = set()
         norm: list[Path] = []
         for p in paths:
             if isinstance(p, (int, str)) or not isinstance(p, Sequence):
-                raise ValueError(f"DecodingTree: each path must be a list of ranks, got {p!r}")
+                raise ValueError(f"falcon-vllm: DecodingTree: each path must be a list of ranks, got {p!r}")
             if len(p) == 0:
-                raise ValueError("DecodingTree: a path of depth 0 (empty list) is not a node; "
+                raise ValueError("falcon-vllm: DecodingTree: a path of depth 0 (empty list) is not a node; "
                                  "the root is implicit")
             for r in p:
                 if not isinstance(r, int) or isinstance(r, bool):
-                    raise ValueError(f"DecodingTree: rank {r!r} in path {list(p)} is not an integer")
+                    raise ValueError(f"falcon-vllm: DecodingTree: rank {r!r} in path {list(p)} is not an integer")
                 if r < 0:
-                    raise ValueError(f"DecodingTree: negative rank {r} in path {list(p)}")
+                    raise ValueError(f"falcon-vllm: DecodingTree: negative rank {r} in path {list(p)}")
             t = tuple(int(r) for r in p)
             if t in seen:
-                raise ValueError(f"DecodingTree: duplicate path {list(t)}")
+                raise ValueError(f"falcon-vllm: DecodingTree: duplicate path {list(t)}")
             seen.add(t)
             norm.append(t)
         for t in norm:
             if len(t) > 1 and t[:-1] not in seen:
-                raise ValueError(f"DecodingTree: path {list(t)} has no parent {list(t[:-1])} "
+                raise ValueError(f"falcon-vllm: DecodingTree: path {list(t)} has no parent {list(t[:-1])} "
                                  "(every prefix of a path must also be a path)")
         self.k = k
         self.name = name
@@ -355,7 +355,7 @@ def _paper_llama() -> list[list[int]]:
 
 def chain_paths(length: int) -> list[list[int]]:
     if length < 1:
-        raise ValueError(f"a chain needs length >= 1, got {length}")
+        raise ValueError(f"falcon-vllm: a chain needs length >= 1, got {length}")
     return [[0] * d for d in range(1, length + 1)]
 
 
@@ -396,7 +396,7 @@ def build_tree(spec, k: int) -> DecodingTree:
     if isinstance(spec, (list, tuple)):
         return DecodingTree(spec, k)
     if not isinstance(spec, str):
-        raise ValueError(f"tree must be a preset name, a list of paths or a file, got {spec!r}")
+        raise ValueError(f"falcon-vllm: tree must be a preset name, a list of paths or a file, got {spec!r}")
     s = spec.strip()
     if s in PRESETS:
         return DecodingTree(PRESETS[s](), k, s)
@@ -416,7 +416,7 @@ def build_tree(spec, k: int) -> DecodingTree:
             try:
                 paths = ast.literal_eval(s)
             except (ValueError, SyntaxError) as e:
-                raise ValueError(f"tree: cannot parse {s[:60]!r} as a list of paths: {e}") from None
+                raise ValueError(f"falcon-vllm: tree: cannot parse {s[:60]!r} as a list of paths: {e}") from None
         return DecodingTree(paths, k)
     import os
     if os.path.isfile(s):
@@ -425,5 +425,5 @@ def build_tree(spec, k: int) -> DecodingTree:
         if isinstance(data, dict):
             data = data.get("paths", data.get("tree"))
         return DecodingTree(data, k, os.path.basename(s))
-    raise ValueError(f"unknown tree {spec!r}; use a preset ({', '.join(preset_names())}), a list of "
+    raise ValueError(f"falcon-vllm: unknown tree {spec!r}; use a preset ({', '.join(preset_names())}), a list of "
                      "rank paths such as [[0],[1],[0,0]], or a JSON file of paths")

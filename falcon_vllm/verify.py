@@ -101,7 +101,7 @@ class VerifyResult:
         rows = self.output_tokens(node_tokens)
         width = max(len(r) for r in rows) if width is None else width
         if any(len(r) > width for r in rows):
-            raise ValueError(f"output_token_ids: width {width} is smaller than an output row")
+            raise ValueError(f"falcon-vllm: output_token_ids: width {width} is smaller than an output row")
         return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
@@ -163,9 +163,9 @@ def _result(tab: _Tables, last: torch.Tensor, bonus: torch.Tensor) -> VerifyResu
 def _check_shapes(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: torch.Tensor) -> None:
     B, N = node_tokens.shape
     if N != tree.num_nodes:
-        raise ValueError(f"node_tokens has {N} nodes per request, the tree has {tree.num_nodes}")
+        raise ValueError(f"falcon-vllm: node_tokens has {N} nodes per request, the tree has {tree.num_nodes}")
     if target_logits.dim() != 3 or target_logits.shape[:2] != (B, tree.num_slots):
-        raise ValueError(f"target_logits must be [B={B}, 1+N={tree.num_slots}, V], "
+        raise ValueError(f"falcon-vllm: target_logits must be [B={B}, 1+N={tree.num_slots}, V], "
                          f"got {list(target_logits.shape)}")
 
 
@@ -178,7 +178,7 @@ def _per_request(x, B: int, dtype: torch.dtype, device, default) -> torch.Tensor
         if x.numel() == 1:
             return x.expand(B)
         if x.numel() != B:
-            raise ValueError(f"per-request parameter has {x.numel()} values for a batch of {B}")
+            raise ValueError(f"falcon-vllm: per-request parameter has {x.numel()} values for a batch of {B}")
         return x
     return torch.full((B,), x, dtype=dtype, device=device)
 
@@ -277,7 +277,7 @@ def greedy_verify_argmax(tree: DecodingTree, node_tokens: torch.Tensor, target_a
     (a serving engine takes the argmax of its whole logits tensor once, without copying rows)."""
     B, N = node_tokens.shape
     if N != tree.num_nodes or tuple(target_argmax.shape) != (B, tree.num_slots):
-        raise ValueError(f"greedy_verify_argmax: node_tokens [B, {tree.num_nodes}] and target_argmax "
+        raise ValueError(f"falcon-vllm: greedy_verify_argmax: node_tokens [B, {tree.num_nodes}] and target_argmax "
                          f"[B, {tree.num_slots}] expected, got {list(node_tokens.shape)}, {list(target_argmax.shape)}")
     tab = _tables(tree, target_argmax.device)
     last, bonus = _greedy_last(tab, node_tokens.to(target_argmax.device), None, target_argmax.long())
@@ -323,7 +323,7 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
     if bool(greedy.all()):
         return greedy_verify(tree, node_tokens, target_logits)
     if draft_probs is not None and draft_probs.shape != target_logits.shape:
-        raise ValueError(f"draft_probs must be [B, 1+N, V] = {list(target_logits.shape)}, "
+        raise ValueError(f"falcon-vllm: draft_probs must be [B, 1+N, V] = {list(target_logits.shape)}, "
                          f"got {list(draft_probs.shape)}")
 
     rows = torch.arange(B, device=dev)

@@ -77,14 +77,14 @@ def plane_table(caches: Union[Sequence[torch.Tensor], torch.Tensor, PlaneTable])
         return caches
     planes = list(caches.unbind(0)) if isinstance(caches, torch.Tensor) else list(caches)
     if not planes:
-        raise ValueError("kv_compaction: no cache planes given")
+        raise ValueError("falcon-vllm: kv_compaction: no cache planes given")
     p0 = planes[0]
     if p0.dim() != 4 or p0.stride(-1) != 1:
-        raise ValueError("kv_compaction: planes must be [num_blocks, block_size, Hkv, D] with a "
+        raise ValueError("falcon-vllm: kv_compaction: planes must be [num_blocks, block_size, Hkv, D] with a "
                          f"contiguous last dim, got shape {tuple(p0.shape)} strides {p0.stride()}")
     for p in planes[1:]:
         if p.shape != p0.shape or p.stride() != p0.stride() or p.dtype != p0.dtype or p.device != p0.device:
-            raise ValueError("kv_compaction: all planes need the same shape, strides, dtype and device")
+            raise ValueError("falcon-vllm: kv_compaction: all planes need the same shape, strides, dtype and device")
     ptrs = torch.tensor([p.data_ptr() for p in planes], dtype=torch.int64, device=p0.device)
     return PlaneTable(planes, ptrs)
 
@@ -92,14 +92,14 @@ def plane_table(caches: Union[Sequence[torch.Tensor], torch.Tensor, PlaneTable])
 def _rows(src: torch.Tensor, dst: torch.Tensor, counts: Optional[torch.Tensor]):
     """Normalise to [B, A] pairs and [B] counts (None for the 1-D form)."""
     if src.shape != dst.shape or src.dim() not in (1, 2):
-        raise ValueError(f"kv_compaction: src {tuple(src.shape)} and dst {tuple(dst.shape)} must both "
+        raise ValueError(f"falcon-vllm: kv_compaction: src {tuple(src.shape)} and dst {tuple(dst.shape)} must both "
                          "be [N] or [B, A]")
     if src.dim() == 1:
         if counts is not None:
-            raise ValueError("kv_compaction: counts go with [B, A] src/dst, not [N]")
+            raise ValueError("falcon-vllm: kv_compaction: counts go with [B, A] src/dst, not [N]")
         return src.view(1, -1), dst.view(1, -1), None
     if counts is None or counts.shape != (src.shape[0],):
-        raise ValueError("kv_compaction: [B, A] src/dst need counts [B]")
+        raise ValueError("falcon-vllm: kv_compaction: [B, A] src/dst need counts [B]")
     return src, dst, counts
 
 
@@ -172,7 +172,7 @@ def kv_compaction(caches, src: torch.Tensor, dst: torch.Tensor,
     contiguous and on the caches' device.  No host sync.  Grid: (planes, Hkv, B).
     """
     if triton is None:
-        raise RuntimeError("triton is not installed; use kv_compaction_ref")
+        raise RuntimeError("falcon-vllm: triton is not installed; use kv_compaction_ref")
     table = plane_table(caches)
     src, dst, counts = _rows(src, dst, counts)
     src, dst = src.contiguous(), dst.contiguous()

@@ -68,7 +68,7 @@ def _create_speculative_config(orig):
         for key, value in shortcuts.items():  # --spec-model/--spec-tokens merge as vLLM merges them
             if value is not None:
                 if key in merged:
-                    raise ValueError(f"--spec-{key.split('_')[-1]} and --speculative-config['{key}'] are "
+                    raise ValueError(f"falcon-vllm: --spec-{key.split('_')[-1]} and --speculative-config['{key}'] are "
                                      "mutually exclusive")
                 merged[key] = value
         from vllm.config import SpeculativeConfig
@@ -136,12 +136,12 @@ def _from_cli_args(orig_from):  # a classmethod; AsyncEngineArgs inherits it
         ntok = getattr(args, "num_speculative_tokens", None)
         if model is not None:
             if ea.speculative_config:
-                raise ValueError("--speculative-model and --speculative-config are mutually exclusive")
+                raise ValueError("falcon-vllm: --speculative-model and --speculative-config are mutually exclusive")
             ea.speculative_config = {"method": "falcon", "model": model}
             if ntok is not None:
                 ea.speculative_config["num_speculative_tokens"] = ntok
         elif ntok is not None:
-            raise ValueError("--num-speculative-tokens needs --speculative-model (or use --speculative-config)")
+            raise ValueError("falcon-vllm: --num-speculative-tokens needs --speculative-model (or use --speculative-config)")
         return ea
 
     return from_cli_args

@@ -27,12 +27,12 @@ def kv_layout(impl, layer=None) -> str:
     if name.startswith("CPUAttention"):
         isa = getattr(layer, "isa", "vec")
         if isa not in ("vec", "vec16"):
-            raise NotImplementedError(f"falcon tree mode: the CPU attention ISA {isa!r} packs its KV cache in a "
+            raise NotImplementedError(f"falcon-vllm: tree mode: the CPU attention ISA {isa!r} packs its KV cache in a "
                                       "layout tree mode cannot read (supported: vec, vec16; use float32/float16)")
         return "cpu"
     if name.startswith("FlashAttention"):
         return "flash"
-    raise NotImplementedError(f"falcon tree mode: attention backend {name} is not supported "
+    raise NotImplementedError(f"falcon-vllm: tree mode: attention backend {name} is not supported "
                               "(supported: CPU_ATTN on CPU, FLASH_ATTN on CUDA)")
 
 
@@ -54,7 +54,7 @@ def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         keys = flat[:, :, : bs * d].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
         vals = flat[:, :, bs * d:].unflatten(2, (bs, d)).permute(0, 2, 1, 3)
         return keys, vals
-    raise ValueError(f"falcon tree mode: unknown KV layout {layout!r}")
+    raise ValueError(f"falcon-vllm: tree mode: unknown KV layout {layout!r}")
 
 
 def copy_kv_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -80,7 +80,7 @@ class FalconProposer(EagleProposer):
             mode = vllm_config.compilation_config.cudagraph_mode
             if mode is not None and mode.has_full_cudagraphs():
                 # a fully captured graph would replay the stock attention and skip the ancestor mask
-                raise ValueError("falcon tree mode needs the target's attention outside CUDA graphs: run with "
+                raise ValueError("falcon-vllm: tree mode needs the target's attention outside CUDA graphs: run with "
                                  "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager "
                                  f"(cudagraph_mode is {mode.name})")
             self.tree_state = TreeState(self.tree, self.falcon.get("subtrees"))

@@ -131,7 +131,7 @@ class DraftTreeAttention:
         k = self.k
         sizes = self._sizes
         if len(sizes) != t:
-            raise ValueError(f"begin_pass: {t} earlier passes in the chain, {len(sizes)} passes run")
+            raise ValueError(f"falcon-vllm: begin_pass: {t} earlier passes in the chain, {len(sizes)} passes run")
         self._sizes = sizes + [nb]
         self.nb = nb
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) * k

@@ -66,7 +66,7 @@ def _unsupported(name: str, layer) -> str | None:
     try:
         kv_layout(impl, layer)
     except NotImplementedError as e:
-        return str(e).removeprefix("falcon tree mode: ")
+        return str(e).removeprefix("falcon-vllm: tree mode: ")
     d = getattr(impl, "head_size", None)
     if type(impl).__name__.startswith("FlashAttention") and d is not None and (d & (d - 1) or not 16 <= d <= 256):
         return f"head size {d} (the Triton tree-attention kernel takes powers of two in [16, 256])"
