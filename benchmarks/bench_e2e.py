@@ -68,6 +68,9 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass, fields
+
+from falcon_vllm.vllm.engine import COUNTERS, PER_POS, counter_delta, empty_counters, shutdown_llm, spec_counters
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -80,12 +83,49 @@ VLLM_METHODS = ("vanilla", "falcon-chain", "falcon-tree", "eagle", "ngram", "dra
 REF_METHODS = ("ref-vanilla", "ref-falcon-chain", "ref-falcon-tree")
 DRAFT_MODEL_TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT_MODEL_DRAFT = "qwen2.5-coder-0.5b-instruct"
-ROW_FIELDS = ("method", "engine", "dataset", "model", "drafter", "num_spec_tokens", "tree", "batch_size",
-              "temperature", "num_prompts", "num_generations", "max_new_tokens", "generated_tokens", "tau",
-              "tau_excl_bonus", "alpha", "draft_acceptance_rate", "per_position_acceptance", "num_drafts",
-              "num_draft_tokens", "num_accepted_tokens", "tokens_per_s", "tokens_per_s_std",
-              "tokens_per_s_min", "tokens_per_s_max", "repeats", "warmup", "seconds", "speedup_vs_vanilla",
-              "baseline", "greedy_identical", "deterministic_across_repeats", "command", "machine")
+
+
+@dataclass
+class Row:
+    """One result row, a method on a dataset: the columns of <name>.json, in this order (a row whose
+    greedy tokens differ from the baseline's gets a "first_mismatch" entry after them)."""
+    method: str
+    engine: str
+    dataset: str
+    model: str | None
+    drafter: str | None
+    num_spec_tokens: int | None
+    tree: str | None
+    batch_size: int
+    temperature: float
+    num_prompts: int
+    num_generations: int
+    max_new_tokens: int
+    generated_tokens: int
+    tau: float
+    tau_excl_bonus: float
+    alpha: float
+    draft_acceptance_rate: float | None
+    per_position_acceptance: list[float]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    tokens_per_s: float
+    tokens_per_s_std: float
+    tokens_per_s_min: float
+    tokens_per_s_max: float
+    repeats: int
+    warmup: int
+    seconds: list[float]
+    speedup_vs_vanilla: float | None
+    baseline: str
+    greedy_identical: bool | None
+    deterministic_across_repeats: bool | None
+    command: str
+    machine: str
+
+
+ROW_FIELDS = tuple(f.name for f in fields(Row))
 
 
 class Skip(Exception):
@@ -93,34 +133,16 @@ class Skip(Exception):
 
 
 # ----------------------------------------------------------------------------------------- metrics
-def empty_counters() -> dict:
-    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-
-
-def vllm_counters(llm) -> dict:
-    """Snapshot of vLLM's spec-decode counters (cumulative since the engine started)."""
-    out = empty_counters()
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    for m in llm.get_metrics():
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = [int(v) for v in m.values]
-            out["per_pos"] = [a + b for a, b in zip(vals, out["per_pos"] + [0] * len(vals))]
-    return out
-
-
 def add_rounds(counters: dict, accepted: list[int], nodes: list[int], depth: int) -> None:
     """Fold reference-engine rounds (accepted draft tokens, verified nodes) into vLLM-style counters."""
-    pp = counters["per_pos"] + [0] * max(0, depth - len(counters["per_pos"]))
+    pp = counters[PER_POS] + [0] * max(0, depth - len(counters[PER_POS]))
     for a, n in zip(accepted, nodes):
-        counters["drafts"] += 1
-        counters["draft_tokens"] += n
-        counters["accepted"] += a
+        counters["num_drafts"] += 1
+        counters["num_draft_tokens"] += n
+        counters["num_accepted_tokens"] += a
         for i in range(min(a, depth)):
             pp[i] += 1
-    counters["per_pos"] = pp
+    counters[PER_POS] = pp
 
 
 def metrics_from_counters(before: dict, after: dict, generated: int) -> dict:
@@ -129,13 +151,10 @@ def metrics_from_counters(before: dict, after: dict, generated: int) -> dict:
     ``generated`` is the number of tokens generated between the two snapshots.  Without drafts
     (vanilla) tau is 1 and nothing is accepted.
     """
-    drafts = after["drafts"] - before["drafts"]
-    draft_tokens = after["draft_tokens"] - before["draft_tokens"]
-    acc = after["accepted"] - before["accepted"]
-    bp = before["per_pos"]
-    pp = [a - (bp[i] if i < len(bp) else 0) for i, a in enumerate(after["per_pos"])]
+    d = counter_delta(after, before)
+    drafts, draft_tokens, acc, pp = (d[k] for k in (*COUNTERS, PER_POS))
     if min([drafts, draft_tokens, acc] + pp, default=0) < 0:
-        raise ValueError("spec-decode counters went backwards: snapshots from different engines?")
+        raise ValueError("falcon-vllm: spec-decode counters went backwards: snapshots from different engines?")
     return {"tau": 1.0 + acc / drafts if drafts else 1.0,
             "tau_excl_bonus": acc / drafts if drafts else 0.0,
             "alpha": acc / generated if generated else 0.0,
@@ -262,7 +281,7 @@ class VllmRunner:
                            max_num_seqs=max(1, a.batch_size), disable_log_stats=False, seed=0,
                            enable_prefix_caching=a.prefix_caching, speculative_config=self.spec)
         except Exception as e:  # a drafter/plugin that vLLM rejects: report, do not hide
-            _cleanup_vllm()
+            _shutdown(None)
             if a.strict:
                 raise
             raise Skip(f"vLLM engine failed to start: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
@@ -274,20 +293,17 @@ class VllmRunner:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def counters(self):
-        return vllm_counters(self.llm)
+        return spec_counters(self.llm)
 
     def close(self):
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
-        _cleanup_vllm()
+        _shutdown(self.llm)
+        self.llm = None
 
 
-def _cleanup_vllm():
-    gc.collect()
+def _shutdown(llm):
+    """Shut an engine down (None: one that failed to start); a clean-up that fails does not stop the run."""
     try:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        cleanup_dist_env_and_memory()
+        shutdown_llm(llm)
     except Exception:
         pass
 
@@ -473,42 +489,42 @@ def bench(args) -> tuple[list[dict], list[dict]]:
                 tokens_by[key] = toks
             n_gen = sum(len(t) for q in toks for t in q)
             greedy = args.temperature == 0
-            row = {"method": method, "engine": runner.engine, "dataset": ds, "model": _short(runner.model),
-                   "drafter": _short(runner.drafter) if runner.drafter and os.sep in str(runner.drafter)
-                   else runner.drafter,
-                   "num_spec_tokens": runner.num_spec_tokens, "tree": runner.tree,
-                   "batch_size": args.batch_size if runner.engine == "vllm" else 1,
-                   "temperature": args.temperature, "num_prompts": len(qs),
-                   "num_generations": sum(len(q["turns"]) for q in qs), "max_new_tokens": args.max_new_tokens,
-                   "generated_tokens": n_gen,
-                   "tau": round(m["tau"], 4), "tau_excl_bonus": round(m["tau_excl_bonus"], 4),
-                   "alpha": round(m["alpha"], 4),
-                   "draft_acceptance_rate": None if m["draft_acceptance_rate"] is None
-                   else round(m["draft_acceptance_rate"], 4),
-                   "per_position_acceptance": [round(x, 4) for x in
+            row = Row(method=method, engine=runner.engine, dataset=ds, model=_short(runner.model),
+                      drafter=_short(runner.drafter) if runner.drafter and os.sep in str(runner.drafter)
+                      else runner.drafter,
+                      num_spec_tokens=runner.num_spec_tokens, tree=runner.tree,
+                      batch_size=args.batch_size if runner.engine == "vllm" else 1,
+                      temperature=args.temperature, num_prompts=len(qs),
+                      num_generations=sum(len(q["turns"]) for q in qs), max_new_tokens=args.max_new_tokens,
+                      generated_tokens=n_gen,
+                      tau=round(m["tau"], 4), tau_excl_bonus=round(m["tau_excl_bonus"], 4),
+                      alpha=round(m["alpha"], 4),
+                      draft_acceptance_rate=None if m["draft_acceptance_rate"] is None
+                      else round(m["draft_acceptance_rate"], 4),
+                      per_position_acceptance=[round(x, 4) for x in
                                                m["per_position_acceptance"][:getattr(runner, "depth", None)]],
-                   "num_drafts": m["num_drafts"], "num_draft_tokens": m["num_draft_tokens"],
-                   "num_accepted_tokens": m["num_accepted_tokens"],
-                   "tokens_per_s": round(statistics.median(tps), 3),
-                   "tokens_per_s_std": round(statistics.pstdev(tps), 3) if len(tps) > 1 else 0.0,
-                   "tokens_per_s_min": round(min(tps), 3), "tokens_per_s_max": round(max(tps), 3),
-                   "repeats": args.repeats, "warmup": args.warmup, "seconds": [round(s, 3) for s in secs_all],
-                   "speedup_vs_vanilla": None, "baseline": base,
-                   "greedy_identical": None,
-                   "deterministic_across_repeats": all(r == toks for r in runs) if greedy else None,
-                   "command": command, "machine": mach}
+                      num_drafts=m["num_drafts"], num_draft_tokens=m["num_draft_tokens"],
+                      num_accepted_tokens=m["num_accepted_tokens"],
+                      tokens_per_s=round(statistics.median(tps), 3),
+                      tokens_per_s_std=round(statistics.pstdev(tps), 3) if len(tps) > 1 else 0.0,
+                      tokens_per_s_min=round(min(tps), 3), tokens_per_s_max=round(max(tps), 3),
+                      repeats=args.repeats, warmup=args.warmup, seconds=[round(s, 3) for s in secs_all],
+                      speedup_vs_vanilla=None, baseline=base,
+                      greedy_identical=None,
+                      deterministic_across_repeats=all(r == toks for r in runs) if greedy else None,
+                      command=command, machine=mach)
             brow = next((r for r in rows if r["method"] == base and r["dataset"] == ds
                          and r["model"] == _short(runner.model) and r["engine"] == runner.engine), None)
             if method == base:
-                row["speedup_vs_vanilla"] = 1.0
-                row["greedy_identical"] = True if greedy else None
+                row.speedup_vs_vanilla = 1.0
+                row.greedy_identical = True if greedy else None
             elif brow is not None:
-                row["speedup_vs_vanilla"] = round(row["tokens_per_s"] / brow["tokens_per_s"], 3)
+                row.speedup_vs_vanilla = round(row.tokens_per_s / brow["tokens_per_s"], 3)
                 if greedy:
-                    row["greedy_identical"] = all(r == tokens_by[key] for r in runs)
-                    if not row["greedy_identical"]:
-                        row["first_mismatch"] = first_mismatch(runs[0], tokens_by[key], qs)
-            rows.append(row)
+                    row.greedy_identical = all(r == tokens_by[key] for r in runs)
+            rows.append(asdict(row))
+            if row.greedy_identical is False:
+                rows[-1]["first_mismatch"] = first_mismatch(runs[0], tokens_by[key], qs)
         runner.close()
         del runner
         gc.collect()

@@ -90,7 +90,7 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int):
         if tree.endswith(".json") and not os.path.isabs(tree):
             tree = os.path.join(ROOT, tree)
         return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"unknown configuration {cfg!r} (vanilla, chain[:K], tree[:<tree>])")
+    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], tree[:<tree>])")
 
 
 def run_worker(args) -> list[dict]:
@@ -167,6 +167,8 @@ def run_worker(args) -> list[dict]:
                               "tok/step": round(toks / steps, 2)}), file=sys.stderr, flush=True)
         for owner, attr, orig in restore:
             setattr(owner, attr, orig)
+        # falcon_vllm.vllm.engine.shutdown_llm, inline: --compare runs this worker on older checkouts
+        # (their falcon_vllm first on the path), which lack it
         llm.llm_engine.engine_core.shutdown()
         del llm, runner
         import gc
@@ -205,7 +207,7 @@ def run_driver(args) -> list[dict]:
                     procs[-1][3].wait()
             for label, root, tmp, proc in procs:
                 if proc.wait() != 0:
-                    raise SystemExit(f"worker {label} {cfg} failed ({proc.returncode})")
+                    raise SystemExit(f"falcon-vllm: worker {label} {cfg} failed ({proc.returncode})")
                 with open(tmp) as f:
                     for r in json.load(f):
                         r.update(version=label, round=rnd, code=_code_id(root))

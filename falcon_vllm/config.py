@@ -48,20 +48,20 @@ class FalconConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.fusion not in FUSIONS:
-            raise ValueError(f"FalconConfig: fusion must be one of {FUSIONS}, got {self.fusion!r}")
+            raise ValueError(f"falcon-vllm: fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"FalconConfig: k (tokens per drafter pass) must be an integer >= 1, got {self.k!r}")
+            raise ValueError(f"falcon-vllm: k (tokens per drafter pass) must be an integer >= 1, got {self.k!r}")
         if self.num_layers < 1:
-            raise ValueError(f"FalconConfig: num_layers must be >= 1, got {self.num_layers}")
+            raise ValueError(f"falcon-vllm: num_layers must be >= 1, got {self.num_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("FalconConfig: num_attention_heads must be a multiple of num_key_value_heads")
+            raise ValueError("falcon-vllm: num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size == self.vocab_size:
             self.draft_vocab_size = None
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
-            raise ValueError(f"FalconConfig: draft_vocab_size must be in [1, vocab_size={self.vocab_size}) "
+            raise ValueError(f"falcon-vllm: draft_vocab_size must be in [1, vocab_size={self.vocab_size}) "
                              f"got {self.draft_vocab_size}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"FalconConfig: model_type {self.model_type!r} is not supported "
+            raise ValueError(f"falcon-vllm: model_type {self.model_type!r} is not supported "
                              f"(supported: {SUPPORTED_MODEL_TYPES})")
 
     # ------------------------------------------------------------------ construction
@@ -93,15 +93,27 @@ class FalconConfig:
         return cls(**kw)
 
     # ------------------------------------------------------------------ checks
-    def check_target(self, target_config) -> None:
-        """Raise ValueError if this drafter cannot run on ``target_config``."""
+    def target_problems(self, target_config, recorded: bool = False) -> list[str]:
+        """Why this drafter does not fit ``target_config`` ([] when it does): it runs only on the hidden
+        size and vocabulary it has; with ``recorded``, each property of the target it was trained for
+        (``falcon.target``: hidden size, vocabulary, number of layers, model type) must match too."""
         problems = []
         if self.hidden_size != target_config.hidden_size:
             problems.append(f"hidden size {self.hidden_size} != target's {target_config.hidden_size}")
         if self.vocab_size != target_config.vocab_size:
             problems.append(f"vocabulary {self.vocab_size} != target's {target_config.vocab_size}")
+        if recorded:
+            trained = self.target or {}
+            problems += [f"trained for {k}={trained[k]!r} != target's {v!r}"
+                         for k, v in target_signature(target_config).items()
+                         if k != "name" and trained.get(k) is not None and trained[k] != v]
+        return problems
+
+    def check_target(self, target_config) -> None:
+        """Raise ValueError if this drafter cannot run on ``target_config``."""
+        problems = self.target_problems(target_config)
         if problems:
-            raise ValueError("this Falcon drafter was built for another target: " + "; ".join(problems)
+            raise ValueError("falcon-vllm: this Falcon drafter was built for another target: " + "; ".join(problems)
                              + f" (drafter trained for {self.target or 'unknown target'}); train one for "
                              "this target with `falcon-vllm train`")
 
@@ -143,7 +155,7 @@ class FalconConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> "FalconConfig":
         if "falcon" not in d or not isinstance(d["falcon"], dict):
-            raise ValueError(f"{source} is not a Falcon drafter config (no 'falcon' section); "
+            raise ValueError(f"falcon-vllm: {source} is not a Falcon drafter config (no 'falcon' section); "
                              "convert official checkpoints with `falcon-vllm convert`")
         f = d["falcon"]
         try:
@@ -170,7 +182,7 @@ class FalconConfig:
                 extra=f.get("extra", {}) or {},
             )
         except KeyError as e:
-            raise ValueError(f"{source}: missing key {e.args[0]!r} in the drafter config") from None
+            raise ValueError(f"falcon-vllm: {source}: missing key {e.args[0]!r} in the drafter config") from None
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -190,14 +202,14 @@ def read_config_json(directory: str, kind: str = "Falcon drafter") -> tuple[dict
     """(parsed config.json, its path) of a drafter directory, with one clear error per way it can be wrong."""
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"{kind} directory {directory!r} does not exist")
+        raise FileNotFoundError(f"falcon-vllm: {kind} directory {directory!r} does not exist")
     if not os.path.exists(path):
-        raise ValueError(f"{directory!r} is not a {kind}: it has no config.json")
+        raise ValueError(f"falcon-vllm: {directory!r} is not a {kind}: it has no config.json")
     try:
         with open(path) as f:
             return json.load(f), path
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise ValueError(f"falcon-vllm: {path} is not valid JSON: {e}") from None
 
 
 def target_signature(target_config) -> dict:

@@ -186,7 +186,7 @@ class FalconDrafter(nn.Module):
         """Share the target's embedding and LM head (kept outside this module's parameters)."""
         w = embed_tokens.weight
         if w.shape[1] != self.config.hidden_size or w.shape[0] != self.config.vocab_size:
-            raise ValueError(f"drafter (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) "
+            raise ValueError(f"falcon-vllm: drafter (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) "
                              f"does not fit the target embedding {tuple(w.shape)}")
         self._target = (embed_tokens, lm_head)
         return self
@@ -196,7 +196,7 @@ class FalconDrafter(nn.Module):
         order; stored sorted) and the matching ``d2t`` map."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
         if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError(f"init_draft_head: need {self.config.draft_vocab_size} distinct token ids")
+            raise ValueError(f"falcon-vllm: init_draft_head: need {self.config.draft_vocab_size} distinct token ids")
         with torch.no_grad():
             self.lm_head.weight.copy_(target_lm_head[ids].to(self.lm_head.weight.dtype))
             self.d2t.copy_(ids - torch.arange(ids.numel()))
@@ -219,7 +219,7 @@ class FalconDrafter(nn.Module):
 
     def _need_target(self):
         if self._target is None:
-            raise RuntimeError("FalconDrafter: call attach_target(embed_tokens, lm_head) first")
+            raise RuntimeError("falcon-vllm: call FalconDrafter.attach_target(embed_tokens, lm_head) first")
         return self._target
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -297,7 +297,8 @@ class FalconDrafter(nn.Module):
         the k=1 fc drafter it is, so the reference engine can run it."""
         d, path = read_config_json(directory, kind="EAGLE drafter")
         if "falcon" in d:
-            raise ValueError(f"{path} is a Falcon-format drafter; load it with FalconDrafter.from_pretrained")
+            raise ValueError(f"falcon-vllm: {path} is a Falcon-format drafter; load it with "
+                             "FalconDrafter.from_pretrained")
         cfg = FalconConfig.from_hf_dict({**d, "falcon": {"k": 1, "fusion": "fc"}}, source=path)
         if target_config is not None:
             cfg.check_target(target_config)
@@ -315,18 +316,18 @@ def load_state_dict_file(directory: str) -> dict[str, torch.Tensor]:
         try:
             return load_file(st)
         except Exception as e:  # safetensors raises several error types for corrupt files
-            raise ValueError(f"{st} is corrupt or truncated ({type(e).__name__}: {e})") from None
+            raise ValueError(f"falcon-vllm: {st} is corrupt or truncated ({type(e).__name__}: {e})") from None
     if os.path.exists(pt):
         try:
             return torch.load(pt, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ValueError(f"{pt} could not be read ({type(e).__name__}: {e})") from None
-    raise FileNotFoundError(f"Falcon drafter {directory!r} has no weights (model.safetensors)")
+            raise ValueError(f"falcon-vllm: {pt} could not be read ({type(e).__name__}: {e})") from None
+    raise FileNotFoundError(f"falcon-vllm: Falcon drafter {directory!r} has no weights (model.safetensors)")
 
 
 def check_state_dict(model: nn.Module, state: dict, source: str) -> dict:
     """Map official Falcon keys onto ours and check names and shapes, with one clear error."""
-    state = convert_official_state_dict(state, keep_lm_head="lm_head.weight" in model.state_dict())
+    state = dict(official_weights(state.items(), keep_lm_head="lm_head.weight" in model.state_dict()))
     own = model.state_dict()
     if "d2t" in own:
         check_d2t(state.get("d2t"), own["d2t"].numel(), model.config.vocab_size, source)
@@ -342,37 +343,36 @@ def check_state_dict(model: nn.Module, state: dict, source: str) -> dict:
             parts.append(f"unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''}")
         if wrong:
             parts.append("wrong shapes " + "; ".join(wrong[:3]))
-        raise ValueError(f"{source}: weights do not match the drafter config: " + ", ".join(parts))
+        raise ValueError(f"falcon-vllm: {source}: weights do not match the drafter config: " + ", ".join(parts))
     return state
 
 
 def check_d2t(d2t: torch.Tensor | None, n: int, vocab: int, source: str) -> None:
     """A truncated head needs its draft->target map: present, integer, N entries, distinct ids in range."""
     if d2t is None:
-        raise ValueError(f"{source}: the drafter has a truncated head ({n} of {vocab} tokens) but its weights carry "
-                         "no 'd2t' map (draft id -> target id); without it the drafts would be the wrong tokens. "
-                         "Re-export the checkpoint with its map")
+        raise ValueError(f"falcon-vllm: {source}: the drafter has a truncated head ({n} of {vocab} tokens) but its "
+                         "weights carry no 'd2t' map (draft id -> target id); without it the drafts would be the "
+                         "wrong tokens. Re-export the checkpoint with its map")
     if d2t.is_floating_point() or d2t.shape != (n,):
-        raise ValueError(f"{source}: 'd2t' must be an integer tensor of shape ({n},), got {d2t.dtype} "
+        raise ValueError(f"falcon-vllm: {source}: 'd2t' must be an integer tensor of shape ({n},), got {d2t.dtype} "
                          f"{tuple(d2t.shape)}")
     ids = torch.arange(n) + d2t.long()
     if int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != n:
-        raise ValueError(f"{source}: 'd2t' maps draft ids outside the target vocabulary [0, {vocab}) or onto "
-                         "the same target id twice")
+        raise ValueError(f"falcon-vllm: {source}: 'd2t' maps draft ids outside the target vocabulary [0, {vocab}) "
+                         "or onto the same target id twice")
 
 
-def convert_official_state_dict(state: dict, keep_lm_head: bool = False) -> dict:
-    """Official Falcon/EAGLE state dict -> ours.
+def official_weights(items, keep_lm_head: bool = False):
+    """Official Falcon/EAGLE checkpoint (name, tensor) pairs -> ours, lazily (a state dict's items or
+    vLLM's weight iterator).
 
     Official keys: ``embed_tokens.weight`` (a frozen copy of the target's: dropped, we share the
-    target's), ``lstm.weight_ih_l{0,1}`` etc. (kept), ``fc.*`` (EAGLE, kept), ``layers.N.*`` (kept).
-    A ``model.`` prefix (as in some exports) is stripped.
+    target's), ``lstm.weight_ih_l{0,1}`` etc. (kept), ``fc.*`` (EAGLE, kept), ``layers.N.*`` (kept),
+    ``lm_head.*`` (kept only for a truncated head, ``keep_lm_head``).  A ``model.`` prefix (as in some
+    exports) is stripped.
     """
-    out = {}
-    for name, t in state.items():
-        if name.startswith("model."):
-            name = name[len("model."):]
+    for name, t in items:
+        name = name.removeprefix("model.")
         if name.startswith("embed_tokens.") or (name.startswith("lm_head.") and not keep_lm_head):
             continue
-        out[name] = t
-    return out
+        yield name, t

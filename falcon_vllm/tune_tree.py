@@ -25,6 +25,7 @@ import json
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -152,6 +153,32 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
         best["speedup_model"] = best["tokens_per_s_per_req"] * base
         results[B] = best
     return results
+
+
+# ---------------------------------------------------------------------- the file
+@dataclass(frozen=True)
+class TreeFile:
+    """A JSON file written by ``falcon-vllm tune-tree`` (``main`` below), or a drafter's ``serving.json``,
+    which holds either such a file or ``{"num_speculative_tokens": n}``."""
+    tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
+    paths: list | None                     # its main tree (the largest one: vLLM's K)
+    by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
+    num_speculative_tokens: int | None     # serving.json's chain form
+
+
+def read_tree_file(path: str) -> TreeFile:
+    """Parse a tune-tree file (or ``serving.json``); any other JSON gives an empty, untuned result."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"falcon-vllm: {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        data = {}
+    by, n = data.get("by_batch_size") or {}, data.get("num_speculative_tokens")
+    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=data.get("paths"),
+                    by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()),
+                    num_speculative_tokens=n if isinstance(n, int) else None)
 
 
 # ---------------------------------------------------------------------- CLI

@@ -98,15 +98,15 @@ def pack_tree_mask(mask: torch.Tensor, num_words: Optional[int] = None) -> torch
     mask = torch.as_tensor(mask).to("cpu", torch.bool)
     W = mask.shape[0]
     if mask.dim() != 2 or mask.shape[1] != W:
-        raise ValueError(f"pack_tree_mask: mask must be [W, W], got {tuple(mask.shape)}")
+        raise ValueError(f"falcon-vllm: pack_tree_mask: mask must be [W, W], got {tuple(mask.shape)}")
     if torch.triu(mask, 1).any():
-        raise ValueError("pack_tree_mask: token i may only see tokens j <= i (parents before children)")
+        raise ValueError("falcon-vllm: pack_tree_mask: token i may only see tokens j <= i (parents before children)")
     if W and not mask.diagonal().all():
-        raise ValueError("pack_tree_mask: every in-flight token must see itself (diagonal all true)")
+        raise ValueError("falcon-vllm: pack_tree_mask: every in-flight token must see itself (diagonal all true)")
     need = (W + WORD_BITS - 1) // WORD_BITS
     num_words = need if num_words is None else num_words
     if num_words < need:
-        raise ValueError(f"pack_tree_mask: W={W} needs {need} words, got num_words={num_words}")
+        raise ValueError(f"falcon-vllm: pack_tree_mask: W={W} needs {need} words, got num_words={num_words}")
     padded = torch.zeros(W, num_words * WORD_BITS, dtype=torch.int64)
     padded[:, :W] = mask.long()
     lanes = torch.arange(WORD_BITS, dtype=torch.int64)
@@ -127,7 +127,7 @@ def ancestor_mask_from_parents(parent: torch.Tensor) -> torch.Tensor:
     W = parent.numel()
     idx = torch.arange(W)
     if ((parent >= idx) | (parent < -1)).any():
-        raise ValueError("ancestor_mask_from_parents: need -1 <= parent[i] < i (parents before children)")
+        raise ValueError("falcon-vllm: ancestor_mask_from_parents: need -1 <= parent[i] < i (parents before children)")
     mask = torch.eye(W, dtype=torch.bool)
     cur = parent.clone()
     while (cur >= 0).any():                       # pointer jumping, one level per step (<= depth)
@@ -194,7 +194,7 @@ def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     if Hq % Hkv:
-        raise ValueError(f"tree_attention_ref: Hq={Hq} is not a multiple of Hkv={Hkv}")
+        raise ValueError(f"falcon-vllm: tree_attention_ref: Hq={Hq} is not a multiple of Hkv={Hkv}")
     bs = key_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
@@ -220,6 +220,25 @@ def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # ----------------------------------------------------------------------------- Triton kernels
 if triton is not None:
+    @triton.jit
+    def _online_softmax_tile(q, kt, vt, visible, acc, m_i, l_i, scale_log2e,
+                             DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """One key tile of the online softmax: scores q kt^T (log2 domain) where ``visible``, then the
+        running row max m_i, normaliser l_i and accumulator acc rescaled and updated with the tile's
+        values vt.  Rows with no visible key yet keep m_i = -inf without NaNs (their max is taken as 0)."""
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * scale_log2e
+        s = tl.where(visible, s, float("-inf"))                          # [BLOCK_M, keys]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        return acc, m_new, l_i
+
     @triton.jit
     def _tree_attn_fwd(Q, K, V, KC, VC, BT, PL, QSL, BITS, O, PACC, PML, scale_log2e,
                        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
@@ -265,21 +284,10 @@ if triton is not None:
             off = pos % PAGE
             kt = tl.load(KC + (blk * s_kcb + off * s_kcs + hk * s_kch)[:, None] + d[None, :],
                          mask=key_ok[:, None], other=0.0)                # [BLOCK_N, D]
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * scale_log2e
-            s = tl.where(key_ok[None, :], s, float("-inf"))             # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
             vt = tl.load(VC + (blk * s_vcb + off * s_vcs + hk * s_vch)[:, None] + d[None, :],
                          mask=key_ok[:, None], other=0.0)
-            if UPCAST:
-                vt = vt.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, m_i, l_i = _online_softmax_tile(q, kt, vt, key_ok[None, :], acc, m_i, l_i, scale_log2e,
+                                                 DOT_PREC, UPCAST)
 
         # 2) the request's in-flight keys (last split only), 32 per tile = one bitmask word per row;
         #    masks are lower-triangular, so keys past this tile's last token are never visible
@@ -292,20 +300,8 @@ if triton is not None:
             vis = (((word[:, None] >> lane[None, :]) & 1) != 0) & kv_ok[None, :]
             krow = (start + j).to(tl.int64)
             kt = tl.load(K + krow[:, None] * s_kt + hk * s_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * scale_log2e
-            s = tl.where(vis, s, float("-inf"))                          # [BLOCK_M, 32]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
             vt = tl.load(V + krow[:, None] * s_vt + hk * s_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
-            if UPCAST:
-                vt = vt.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, m_i, l_i = _online_softmax_tile(q, kt, vt, vis, acc, m_i, l_i, scale_log2e, DOT_PREC, UPCAST)
 
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -381,17 +377,17 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         [T, Hq, D] in q's dtype.
     """
     if triton is None:
-        raise RuntimeError("triton is not installed; use tree_attention_ref")
+        raise RuntimeError("falcon-vllm: triton is not installed; use tree_attention_ref")
     T, Hq, D = q.shape
     B = block_table.shape[0]
     Hkv = k.shape[1]
     if Hq % Hkv:
-        raise ValueError(f"tree_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
+        raise ValueError(f"falcon-vllm: tree_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
     if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"tree_attention: head_dim must be a power of two in [16, 256], got {D}")
+        raise ValueError(f"falcon-vllm: tree_attention: head_dim must be a power of two in [16, 256], got {D}")
     for name, t in (("q", q), ("k", k), ("v", v), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
-            raise ValueError(f"tree_attention: {name} must be contiguous in its last dim")
+            raise ValueError(f"falcon-vllm: tree_attention: {name} must be contiguous in its last dim")
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
@@ -403,7 +399,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_m = cfg["block_m"]
     tok_m = block_m // rep
     if tok_m < 1:
-        raise ValueError(f"tree_attention: block_m={block_m} is smaller than the GQA group {rep}")
+        raise ValueError(f"falcon-vllm: tree_attention: block_m={block_m} is smaller than the GQA group {rep}")
     n_tiles = triton.cdiv(max_query_len, tok_m)
     if num_splits is None:
         base = n_tiles * B * Hkv

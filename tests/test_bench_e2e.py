@@ -21,8 +21,10 @@ FIELDS = {"method", "dataset", "model", "drafter", "batch_size", "temperature", 
 
 
 def test_metrics_come_from_counter_deltas():
-    before = {"drafts": 10, "draft_tokens": 40, "accepted": 12, "per_pos": [6, 4, 2, 0]}
-    after = {"drafts": 30, "draft_tokens": 120, "accepted": 52, "per_pos": [20, 14, 10, 8]}
+    before = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 12,
+              "num_accepted_tokens_per_pos": [6, 4, 2, 0]}
+    after = {"num_drafts": 30, "num_draft_tokens": 120, "num_accepted_tokens": 52,
+             "num_accepted_tokens_per_pos": [20, 14, 10, 8]}
     m = bench_e2e.metrics_from_counters(before, after, generated=60)
     assert m["tau"] == 1 + 40 / 20 and m["tau_excl_bonus"] == 40 / 20
     assert m["alpha"] == 40 / 60 and m["draft_acceptance_rate"] == 40 / 80
@@ -41,7 +43,8 @@ def test_metrics_come_from_counter_deltas():
 def test_reference_rounds_become_counters():
     c = bench_e2e.empty_counters()
     bench_e2e.add_rounds(c, accepted=[0, 3, 1], nodes=[5, 5, 5], depth=3)
-    assert c == {"drafts": 3, "draft_tokens": 15, "accepted": 4, "per_pos": [2, 1, 1]}
+    assert c == {"num_drafts": 3, "num_draft_tokens": 15, "num_accepted_tokens": 4,
+                 "num_accepted_tokens_per_pos": [2, 1, 1]}
     m = bench_e2e.metrics_from_counters(bench_e2e.empty_counters(), c, generated=7)
     assert m["tau"] == 1 + 4 / 3 and m["alpha"] == 4 / 7
 

@@ -120,7 +120,7 @@ def vllm_ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["chain", "tree", "eagle"])
 def test_vllm_truncated_head_accepts_everything(vllm_ckpts, name):
-    from tests.vllm_util import counter_delta, drafter_of, free, greedy, make_llm, spec_counters
+    from tests.vllm_util import counter_delta, drafter_of, greedy, make_llm, shutdown_llm, spec_counters
 
     base = vllm_ckpts
     spec = {"chain": {"method": "falcon", "model": str(base / "falcon_k2"), "num_speculative_tokens": 4},
@@ -138,7 +138,7 @@ def test_vllm_truncated_head_accepts_everything(vllm_ckpts, name):
         depth = 4 if name != "eagle" else 3
         assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == depth * c["num_drafts"]
     finally:
-        free(llm)
+        shutdown_llm(llm)
 
 
 def unwrap(model):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.vllm_util import drafter_of, free, make_llm, model_path, spec_counters
+from tests.vllm_util import drafter_of, make_llm, model_path, shutdown_llm, spec_counters
 
 from falcon_vllm.models import load_chat_prompts
 
@@ -44,7 +44,7 @@ def vanilla(prompts):
     try:
         return _greedy(llm, prompts)
     finally:
-        free(llm)
+        shutdown_llm(llm)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -62,7 +62,7 @@ def test_shipped_drafter_greedy_identical(prompts, vanilla, batch):
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         assert drafts > 0 and 0 < accepted <= 4 * drafts
     finally:
-        free(llm)
+        shutdown_llm(llm)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -81,7 +81,7 @@ def test_shipped_drafter_tree_mode_greedy_identical(prompts, vanilla, batch):
         assert drafts > 0 and 0 < accepted <= 8 * drafts
         assert after["num_draft_tokens"] - before["num_draft_tokens"] == 118 * drafts
     finally:
-        free(llm)
+        shutdown_llm(llm)
 
 
 @pytest.mark.slow

@@ -43,5 +43,5 @@ def test_tensor_parallel_2_chain_and_tree_greedy_identical(tmp_path):
         got = _run(target, drafter, mode, 2)
         assert got["tokens"] == want, mode
         c = got["counters"]
-        assert c["vllm:spec_decode_num_drafts"] > 0
-        assert c["vllm:spec_decode_num_draft_tokens"] == per_step * c["vllm:spec_decode_num_drafts"], (mode, c)
+        assert c["num_drafts"] > 0
+        assert c["num_draft_tokens"] == per_step * c["num_drafts"], (mode, c)

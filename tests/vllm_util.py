@@ -1,6 +1,5 @@
 """Shared helpers for the vLLM tests: tiny checkpoints on disk and in-process engines (CPU, eager)."""
 
-import gc
 import os
 import shutil
 
@@ -9,6 +8,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from falcon_vllm.models import model_path  # noqa: E402
+from falcon_vllm.vllm.engine import counter_delta, shutdown_llm, spec_counters  # noqa: E402,F401 (for the tests)
 
 
 def save_target(model, directory: str) -> str:
@@ -30,26 +30,8 @@ def make_llm(model: str, speculative_config=None, **kw):
     return LLM(speculative_config=speculative_config, **args)
 
 
-def free(llm) -> None:
-    """Shut an in-process engine down completely before the next one starts in this process."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 def drafter_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-
-
-def spec_counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name.split("vllm:spec_decode_")[1]] = getattr(m, "values", None) or getattr(m, "value", None)
-    return out
 
 
 class EngineCache:
@@ -69,7 +51,7 @@ class EngineCache:
 
     def close(self):
         if self.llm is not None:
-            free(self.llm)
+            shutdown_llm(self.llm)
             self.llm, self.name = None, None
 
 
@@ -80,12 +62,6 @@ def greedy(llm, prompts, n=40):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], outs
-
-
-def counter_delta(after: dict, before: dict) -> dict:
-    """Difference of two ``spec_counters`` snapshots (per-position lists padded: trees grow them)."""
-    return {k: (list(map(lambda a, b: a - b, after[k], before[k] + [0] * (len(after[k]) - len(before[k]))))
-                if isinstance(after[k], list) else after[k] - before[k]) for k in after}
 
 
 # Losslessness on a context target (``context_llama``): after a context ending in t the next token is

@@ -29,14 +29,13 @@ def main(args):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import gc
     import tempfile
 
     from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM, SamplingParams
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.vllm.engine import counter_delta, shutdown_llm, spec_counters
 
     target = str(model_path())
     drafter = args.drafter or SHIPPED
@@ -66,25 +65,21 @@ def main(args):
     for name, spec in (("vanilla", None), ("falcon", falcon)):
         llm = LLM(speculative_config=spec, **common)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
-        before = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        before = spec_counters(llm)
         t0 = time.perf_counter()
         outs = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in prompts]  # batch 1
         dt = time.perf_counter() - t0
-        after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        c = counter_delta(spec_counters(llm), before)
         if spec is not None:
             sc = llm.llm_engine.vllm_config.speculative_config
             falcon_info = sc.draft_model_config.hf_config.falcon
             how = (f"tree {falcon_info.get('tree_name')} ({sc.num_speculative_tokens} nodes)"
                    if falcon_info.get("mode") == "tree" else f"chain K={sc.num_speculative_tokens}")
         n = sum(len(o.token_ids) for o in outs)
-        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
-        acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
-               - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+        drafts, acc = c["num_drafts"], c["num_accepted_tokens"]
         results[name] = {"outs": outs, "tps": n / dt, "tau": 1 + acc / drafts if drafts else None}
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(llm)
         del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
     for q, o in zip(qs, results["falcon"]["outs"]):
         print(f"\n### Q{q['id']}: {q['turns'][0][:100]}\n{o.text.strip()[:600]}")
     same = all(list(a.token_ids) == list(b.token_ids)

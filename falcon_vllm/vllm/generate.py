@@ -28,11 +28,7 @@ class VLLMGenerator:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def close(self) -> None:
-        import gc
+        from falcon_vllm.vllm.engine import shutdown_llm
 
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        self.llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(self.llm)
         self.llm = None
-        gc.collect()
-        cleanup_dist_env_and_memory()

@@ -30,7 +30,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM, LlamaDecoderLayer
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
-from falcon_vllm.drafter import PositionwiseLSTM
+from falcon_vllm.drafter import PositionwiseLSTM, official_weights
 
 
 class FalconDraftModel(nn.Module):
@@ -166,17 +166,10 @@ class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
                 "plugin's proposer hook did not take effect (a V2 model runner, or vLLM internals that "
                 "moved; supported: vllm>=0.32,<0.34 with the V1 runner, VLLM_USE_V2_MODEL_RUNNER=0)")
         if inputs_embeds is not None:
-            raise NotImplementedError("the Falcon drafter does not take multimodal inputs")
+            raise NotImplementedError("falcon-vllm: the Falcon drafter does not take multimodal inputs")
         return self.model(input_ids, positions, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        def rename(items):
-            for name, w in items:
-                if name.startswith("model."):
-                    name = name[len("model."):]
-                if name.startswith("embed_tokens.") or (name.startswith("lm_head.") and not self.truncated):
-                    continue  # official checkpoints carry a copy of the target's; we share the target's
-                yield (name if name.startswith("lm_head.") else "model." + name), w
-
+        ours = official_weights(self._split_head_weights(weights), keep_lm_head=self.truncated)
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(rename(self._split_head_weights(weights)))
+        return loader.load_weights((name if name.startswith("lm_head.") else "model." + name, w) for name, w in ours)

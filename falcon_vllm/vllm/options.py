@@ -15,6 +15,7 @@ from pathlib import Path
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.tree import build_tree
+from falcon_vllm.tune_tree import read_tree_file
 
 # Falcon-only options, removed before vLLM validates the rest:
 #   tree      a preset name ("falcon-llama", "chain-6", "tree-4x2x1"), a list of rank paths or a JSON
@@ -35,19 +36,6 @@ MAX_TREE_NODES = 512
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
-def _signature(target_hf) -> dict:
-    return {"hidden_size": target_hf.hidden_size, "vocab_size": target_hf.vocab_size,
-            "num_hidden_layers": getattr(target_hf, "num_hidden_layers", None),
-            "model_type": getattr(target_hf, "model_type", None)}
-
-
-def _matches(cfg: FalconConfig, target_hf) -> bool:
-    """The drafter's recorded target (falcon.target) has the served model's signature."""
-    t = cfg.target or {}
-    return all(t.get(k) == v for k, v in _signature(target_hf).items() if t.get(k) is not None) and \
-        cfg.hidden_size == target_hf.hidden_size and cfg.vocab_size == target_hf.vocab_size
-
-
 def shipped_drafters() -> list[Path]:
     if not DRAFTERS_DIR.is_dir():
         return []
@@ -63,16 +51,17 @@ def resolve_drafter(model, target_hf) -> str:
             cfg = FalconConfig.load(str(d))
         except (ValueError, FileNotFoundError):
             continue  # e.g. an EAGLE export in the same folder
-        if _matches(cfg, target_hf):
+        problems = cfg.target_problems(target_hf, recorded=True)
+        if not problems:
             return str(d)
-        tried.append(d.name)
+        tried.append(f"{d.name} ({', '.join(problems)})")
     env = os.environ.get("FALCON_VLLM_DRAFTER")
     if env:
         return env
     raise ValueError(
-        "falcon: no drafter for this target. Tried: (1) an explicit path ('model' / --speculative-model "
-        f"<dir>): none given; (2) drafters shipped in {DRAFTERS_DIR}: {tried or 'none'} (none recorded a "
-        f"target with {_signature(target_hf)}); (3) $FALCON_VLLM_DRAFTER: not set. Pass a drafter directory, "
+        "falcon-vllm: no drafter for this target. Tried: (1) an explicit path ('model' / --speculative-model "
+        f"<dir>): none given; (2) drafters shipped in {DRAFTERS_DIR}, none trained for this target: "
+        f"{'; '.join(tried) or 'none'}; (3) $FALCON_VLLM_DRAFTER: not set. Pass a drafter directory, "
         "or train one with `falcon-vllm train`.")
 
 
@@ -84,9 +73,9 @@ def check_weights(path: str) -> None:
             with safe_open(st, "pt") as f:
                 f.keys()
         except Exception as e:
-            raise ValueError(f"falcon: drafter weights {st} are corrupt or truncated ({e})") from None
+            raise ValueError(f"falcon-vllm: drafter weights {st} are corrupt or truncated ({e})") from None
     elif not os.path.exists(pt):
-        raise ValueError(f"falcon: drafter directory {path!r} has no weights (model.safetensors)")
+        raise ValueError(f"falcon-vllm: drafter directory {path!r} has no weights (model.safetensors)")
 
 
 SERVING_FILE = "serving.json"
@@ -99,18 +88,12 @@ def recommended_serving(path: str) -> tuple[str | None, int | None]:
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
         return None, None
-    import json
-
-    try:
-        with open(f) as fh:
-            rec = json.load(fh)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"falcon: {f} is not valid JSON: {e}") from None
-    if isinstance(rec, dict) and ("paths" in rec or "by_batch_size" in rec):
+    rec = read_tree_file(f)
+    if rec.tuned:
         return f, None
-    if isinstance(rec, dict) and isinstance(rec.get("num_speculative_tokens"), int):
-        return None, rec["num_speculative_tokens"]
-    raise ValueError(f"falcon: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
+    if rec.num_speculative_tokens is not None:
+        return None, rec.num_speculative_tokens
+    raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
 
 
 def _batch_size_trees(tree_spec, k: int, n: int):
@@ -119,21 +102,15 @@ def _batch_size_trees(tree_spec, k: int, n: int):
     smaller one's tree; beyond the largest, its tree (0 nodes = no speculation)."""
     if not (isinstance(tree_spec, str) and os.path.isfile(tree_spec)):
         return None
-    import json
-
-    with open(tree_spec) as f:
-        data = json.load(f)
-    by = data.get("by_batch_size") if isinstance(data, dict) else None
-    if not by:
+    rows = read_tree_file(tree_spec).by_batch_size
+    if not rows:
         return None
-    rows = sorted((int(b), r) for b, r in by.items())
     schedule, sized = [], {}
-    for i, (b, r) in enumerate(rows):
-        paths = r.get("paths") or []
+    for i, (b, paths) in enumerate(rows):
         w = len(paths)
         if w > n:
-            raise ValueError(f"falcon: tree file {tree_spec}: the tree for batch size {b} has {w} nodes, more than "
-                             f"the file's main tree ({n})")
+            raise ValueError(f"falcon-vllm: tree file {tree_spec}: the tree for batch size {b} has {w} nodes, more "
+                             f"than the file's main tree ({n})")
         if w:
             sized[w] = build_tree(paths, k).to_list()
         hi = rows[i + 1][0] - 1 if i + 1 < len(rows) else 1 << 20
@@ -146,18 +123,18 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     sc = {k.replace("-", "_"): v for k, v in sc.items()}
     unknown = sorted(set(sc) - valid_keys - FALCON_KEYS)
     if unknown:
-        raise ValueError(f"falcon: unknown option(s) {unknown} in the speculative config; Falcon options: "
+        raise ValueError(f"falcon-vllm: unknown option(s) {unknown} in the speculative config; Falcon options: "
                          f"{sorted(FALCON_KEYS)}, plus vLLM's: {sorted(valid_keys)}")
     for key, allowed, why in INCOMPATIBLE:
         if sc.get(key) not in allowed:
-            raise ValueError(f"falcon: {key}={sc[key]!r} is not supported ({why})")
+            raise ValueError(f"falcon-vllm: {key}={sc[key]!r} is not supported ({why})")
     path = resolve_drafter(sc.get("model"), target_hf)
     cfg = FalconConfig.load(path)  # clear errors: missing dir, no config.json, not a Falcon drafter
     cfg.check_target(target_hf)    # clear error: drafter for another hidden size / vocabulary
     check_weights(path)
     want_k = sc.pop("falcon_k", None)
     if want_k is not None and want_k != cfg.k:
-        raise ValueError(f"falcon: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
+        raise ValueError(f"falcon-vllm: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
@@ -166,19 +143,19 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
         if n is not None and n != tree.num_nodes:
-            raise ValueError(f"falcon: num_speculative_tokens={n} disagrees with tree {tree_spec!r} "
+            raise ValueError(f"falcon-vllm: num_speculative_tokens={n} disagrees with tree {tree_spec!r} "
                              f"({tree.num_nodes} nodes); give one of them")
         if tree.num_nodes > MAX_TREE_NODES:
-            raise ValueError(f"falcon: tree {tree_spec!r} has {tree.num_nodes} nodes; tree mode verifies at most "
+            raise ValueError(f"falcon-vllm: tree {tree_spec!r} has {tree.num_nodes} nodes; tree mode verifies at most "
                              f"{MAX_TREE_NODES} per request and step. Use a smaller tree (e.g. 'falcon-llama', 118 "
                              "nodes) or fit one with `falcon-vllm tune-tree`")
         n = tree.num_nodes
     if n is None:
         n = 2 * cfg.k
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"falcon: num_speculative_tokens must be an integer >= 1, got {n!r}")
+        raise ValueError(f"falcon-vllm: num_speculative_tokens must be an integer >= 1, got {n!r}")
     if (tree is None or tree.is_chain) and n > MAX_CHAIN_TOKENS:
-        raise ValueError(f"falcon: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that vLLM's "
+        raise ValueError(f"falcon-vllm: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that vLLM's "
                          "rejection sampler verifies per step; use a shorter chain or a tree")
     sized = _batch_size_trees(tree_spec, cfg.k, n) if tree is not None else None
     if tree is not None and (sized or not tree.is_chain):  # a tune-tree file runs in tree mode even as a chain
