@@ -420,10 +420,8 @@ def build_tree(spec, k: int) -> DecodingTree:
         return DecodingTree(paths, k)
     import os
     if os.path.isfile(s):
-        with open(s) as f:
-            data = json.load(f)
-        if isinstance(data, dict):
-            data = data.get("paths", data.get("tree"))
-        return DecodingTree(data, k, os.path.basename(s))
+        from falcon_vllm.tune_tree import read_tree_file
+
+        return DecodingTree(read_tree_file(s).paths or [], k, os.path.basename(s))
     raise ValueError(f"falcon-vllm: unknown tree {spec!r}; use a preset ({', '.join(preset_names())}), a list of "
                      "rank paths such as [[0],[1],[0,0]], or a JSON file of paths")

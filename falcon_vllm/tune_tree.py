@@ -167,16 +167,18 @@ class TreeFile:
 
 
 def read_tree_file(path: str) -> TreeFile:
-    """Parse a tune-tree file (or ``serving.json``); any other JSON gives an empty, untuned result."""
+    """Parse a tune-tree file (or ``serving.json``, or a plain tree file: a JSON list of paths or
+    ``{"tree": paths}``); any other JSON gives an empty, untuned result."""
     try:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"falcon-vllm: {path} is not valid JSON: {e}") from None
+    plain = data if isinstance(data, list) else None
     if not isinstance(data, dict):
         data = {}
     by, n = data.get("by_batch_size") or {}, data.get("num_speculative_tokens")
-    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=data.get("paths"),
+    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=data.get("paths", data.get("tree", plain)),
                     by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()),
                     num_speculative_tokens=n if isinstance(n, int) else None)
 
