@@ -72,9 +72,8 @@ class Timers:
                 timers.total[name] += time.perf_counter() - t0
                 timers.calls[name] += 1
 
-        for flag in ("_falcon",):
-            if hasattr(orig, flag):
-                setattr(timed, flag, getattr(orig, flag))
+        if hasattr(orig, "__falcon_original__"):  # still counts as installed (falcon_vllm.vllm.patches.wrap)
+            timed.__falcon_original__ = orig.__falcon_original__
         setattr(owner, attr, timed)
         return orig
 
