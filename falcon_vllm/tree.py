@@ -109,6 +109,7 @@ class DecodingTree:
         self.nodes: list[Path] = sorted(norm, key=lambda t: (len(t), t))
         self._slot = {t: i + 1 for i, t in enumerate(self.nodes)}
         self._slot[()] = 0
+        self._draft_index: dict[str, list] = {}  # device -> the index tensors of draft() (built once)
 
     # ------------------------------------------------------------------ basic sizes
     @property
@@ -263,22 +264,34 @@ class DecodingTree:
         Returns the node tokens [B, num_nodes] int64 (slot i+1 = column i), and with
         ``return_outputs`` each pass's output rows too.
         """
-        dev = rows.device
-        src = self.node_source.to(dev)
-        B = rows.shape[0]
-        nodes = torch.zeros(B, self.num_nodes, dtype=torch.long, device=dev)
+        index = self._draft_indices(rows.device)
+        nodes = torch.zeros(rows.shape[0], self.num_nodes, dtype=torch.long, device=rows.device)
         outs, table = [rows], topk_fn(rows)                       # table [B, rows, topk]
-        for p in range(1, self.num_passes + 1):
-            sel = src[:, 0] == p - 1                              # nodes this pass's candidates fill
-            nodes[:, sel] = table[:, src[sel, 1], src[sel, 2]]
+        for p, (cols, src_rows, ranks, inputs, frows) in enumerate(index, start=1):
+            nodes[:, cols] = table[:, src_rows, ranks]            # the nodes pass p's candidates fill
             if p == self.num_passes:
                 break
-            plan = self.passes[p]
-            ids = nodes[:, plan.input_slots.to(dev) - 1]                               # [B, nb, k]
-            feats = outs[p - 1][:, plan.feature_rows.to(dev)]                          # [B, nb, k, H]
-            outs.append(run_pass(p, ids, feats, plan.ancestor_blocks))
+            ids = nodes[:, inputs]                                                     # [B, nb, k]
+            feats = outs[p - 1][:, frows]                                              # [B, nb, k, H]
+            outs.append(run_pass(p, ids, feats, self.passes[p].ancestor_blocks))
             table = topk_fn(outs[-1])
         return (nodes, outs) if return_outputs else nodes
+
+    def _draft_indices(self, device) -> list[tuple[torch.Tensor, ...]]:
+        """Per drafter pass p (1-based): the node columns its candidates fill, their (row, rank) in its
+        output, and the next pass's input node columns and feature rows; integer tensors made once per
+        device, so drafting copies nothing to the device and never syncs on a boolean mask."""
+        key = str(device)
+        if key not in self._draft_index:
+            src, out = self.node_source, []
+            for p in range(1, self.num_passes + 1):
+                cols = (src[:, 0] == p - 1).nonzero().squeeze(1)
+                nxt = self.passes[p] if p < self.num_passes else None
+                idx = (cols, src[cols, 1], src[cols, 2], None if nxt is None else nxt.input_slots - 1,
+                       None if nxt is None else nxt.feature_rows)
+                out.append(tuple(None if t is None else t.to(device) for t in idx))
+            self._draft_index[key] = out
+        return self._draft_index[key]
 
     @cached_property
     def topk(self) -> int:

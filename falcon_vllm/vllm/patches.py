@@ -101,6 +101,7 @@ READS = (
     ("vllm.sampling_params:SamplingParams", ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
      "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"), "fields"),
     ("vllm.engine.arg_utils:EngineArgs", ("speculative_config",), "fields"),
+    ("vllm.engine.arg_utils:AsyncEngineArgs", ("add_cli_args", "from_cli_args"), "methods"),
 )
 # the EAGLE proposer's propose(): FalconProposer overrides it with the same parameters
 PROPOSE_PARAMS = ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",

@@ -76,7 +76,6 @@ class TreeState:
     """
 
     def __init__(self, tree: DecodingTree, sized: dict | None = None):
-        self.tree = tree
         self.subtrees = SubtreeCache(tree, sized)
         self.drafted_k = tree.num_nodes
         self.step = None
