@@ -95,6 +95,16 @@ def test_vanilla_reference(engines, ckpts):
     llm = engines.get("vanilla")
     ckpts["vanilla"] = {tuple(p): t for p, t in zip(PROMPTS, _greedy(llm, PROMPTS, n=64)[0])}
     ckpts["vanilla_logprobs"] = _logprobs(llm, PROMPTS[:3])
+    ckpts["vanilla_seeded"] = _seeded(llm, PROMPTS)
+
+
+def _seeded(llm, prompts):
+    from vllm import SamplingParams
+
+    sps = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+           for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.mark.parametrize("name,nodes", [("llama", 118), ("vicuna", 165), ("tuned_k3", 40)])
@@ -126,6 +136,28 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name, nodes)
     else:
         assert {K for _, K in sizes} == {nodes} and d["num_draft_tokens"] == nodes * d["num_drafts"]
         assert prop.passes == prop.steps * prop.tree.num_passes            # counted per step
+
+
+def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
+    """A step that verifies nothing (tuned_k3 at batch 8: its schedule drafts nothing) samples with vLLM's plain
+    sampler, as a vanilla step does: neither the tree sampler nor the rejection sampler runs, and seeded random
+    sampling returns vanilla's exact tokens."""
+    from falcon_vllm.vllm import tree_verify
+
+    ref = ckpts.get("vanilla_seeded")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get("tuned_k3")
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    calls = []
+    tree_sample, rejection = tree_verify.tree_sample, runner.rejection_sampler
+    monkeypatch.setattr(tree_verify, "tree_sample", lambda *a, **k: calls.append("tree") or tree_sample(*a, **k))
+    monkeypatch.setattr(runner, "rejection_sampler", lambda *a, **k: calls.append("rej") or rejection(*a, **k))
+    skipped = drafter_of(llm).skipped_steps
+    assert _seeded(llm, PROMPTS) == ref
+    assert calls == [] and drafter_of(llm).skipped_steps > skipped
+    _seeded(llm, PROMPTS[:1])  # batch 1 drafts a 40-node tree: the tree sampler serves it
+    assert "tree" in calls
 
 
 def test_logprobs_match_vanilla(engines, ckpts):

@@ -359,7 +359,7 @@ def tree_sample(runner, state: TreeState, step: TreeStep, logits: torch.Tensor, 
     groups: dict[tuple, list[int]] = {}
     for r in sorted(set(range(B)) - set(plain)):
         groups.setdefault((int(widths[r]), r if r in gens else -1), []).append(r)
-    argmax = logits.argmax(-1) if temp is None else None  # greedy: one pass over the logits, no copy
+    argmax = logits.argmax(-1) if temp is None and groups else None  # greedy: one pass over the logits
     for (w, seeded), reqs in groups.items():
         idx = torch.tensor(reqs, dtype=torch.long, device=dev)
         starts = torch.from_numpy(cu_s[reqs] - w - 1).to(dev)
@@ -463,7 +463,9 @@ def _prepare_inputs(orig):
         res = orig(self, scheduler_output, num_scheduled_tokens)
         state = tree_state(self)
         if state is not None:
-            state.step = None if res[1] is None else _begin_tree_step(self, state, res[1], num_scheduled_tokens)
+            md = res[1]
+            state.step = (_begin_tree_step(self, state, md, num_scheduled_tokens)
+                          if md is not None and any(md.num_draft_tokens) else None)
         return res
 
     return _prepare_inputs
@@ -497,11 +499,25 @@ def _sample_tokens(orig):
     return sample_tokens
 
 
+def _falcon_runner(runner) -> bool:
+    from falcon_vllm.vllm.proposer import FalconProposer
+
+    drafter = getattr(runner, "drafter", None)
+    return isinstance(drafter, FalconProposer) and bool(drafter.falcon)
+
+
 def _sample(orig):
     def _sample(self, logits, spec_decode_metadata):
         state = tree_state(self)
         step = None if state is None else state.step
         if step is None or spec_decode_metadata is None:
+            if (spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens)
+                    and _falcon_runner(self)):
+                # no-drafts fast path, verify side: vLLM builds spec-decode metadata for every step of a
+                # speculative engine, even one that verifies nothing (a schedule that turns drafting off);
+                # such a step samples with vLLM's plain sampler, exactly as a vanilla step does (one logits
+                # row per request either way), instead of the rejection or tree sampler on empty drafts
+                spec_decode_metadata = None
             return orig(self, logits, spec_decode_metadata)
         state.step = None
         self.input_batch.update_async_output_token_ids()

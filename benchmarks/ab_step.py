@@ -1,0 +1,160 @@
+"""A/B end-to-end ratio of vLLM configurations, all engines in one process, generations alternating.
+
+Separate processes per configuration (``profile_step.py``, ``bench_e2e.py``) see per-process effects on
+a shared CPU (where the weights land in memory, load drift between processes) of 10-20%, larger than
+the differences some questions ask about (e.g. "does a step whose schedule drafts nothing cost what a
+vanilla step costs, within 2%?").  Here every configuration's engine lives in this one process; the
+timed generations alternate between them (the order rotating every pair), each generation of a
+configuration is divided by the baseline's (the first configuration) generation next to it, and the
+median of those ratios is reported with its spread.  The outputs are checked against the baseline's
+(greedy: token-identical).
+
+  python benchmarks/ab_step.py --configs vanilla,tree:benchmarks/results/tree_smollm2_v2_tuned.json \\
+      --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
+
+Configurations as in profile_step.py: vanilla, chain[:K], tree[:<tree>], plus ngram[:K].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from profile_step import _spec  # noqa: E402  (the configuration names of profile_step)
+
+
+def spec_for(cfg: str, drafter: str, num_spec_tokens: int):
+    kind, _, arg = cfg.partition(":")
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
+                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return _spec(cfg, drafter, num_spec_tokens)
+
+
+def run(args) -> list[dict]:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from falcon_vllm.models import load_chat_prompts, model_path
+
+    model = args.model or str(model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = []
+    for q in load_chat_prompts(args.dataset, max(args.batch_sizes)):
+        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                      tokenize=True)
+        prompts.append({"prompt_token_ids": [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]})
+    engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
+    labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
+    for label, cfg in zip(labels, args.configs):
+        engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
+                           max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
+                           disable_log_stats=False,
+                           speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens))
+    # engine steps per generation (vLLM's spec-decode metrics live in one registry per process, which
+    # only the engine built last reports to): tokens per step = max_new_tokens / steps, prefill included
+    step_count = {}
+    for cfg, llm in engines.items():
+        count = step_count[cfg] = [0]
+        orig = llm.llm_engine.step
+
+        def step(*a, _orig=orig, _count=count, **kw):
+            _count[0] += 1
+            return _orig(*a, **kw)
+
+        llm.llm_engine.step = step
+    base = labels[0]
+    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
+    rows = []
+    for B in args.batch_sizes:
+        batch = prompts[:B]
+        for llm in engines.values():  # warm-up
+            llm.generate(batch, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+        secs = {c: [] for c in labels}
+        outs = {}
+        steps = {c: 0 for c in labels}
+        for i in range(args.pairs):
+            n = len(labels)
+            order = [labels[(i + j) % n] for j in range(n)]  # rotate: no configuration always first
+            for c in order:
+                before = step_count[c][0]
+                t0 = time.perf_counter()
+                o = engines[c].generate(batch, sp, use_tqdm=False)
+                secs[c].append(time.perf_counter() - t0)
+                steps[c] += step_count[c][0] - before
+                outs[c] = [list(x.outputs[0].token_ids) for x in o]
+        for c in labels:
+            ratios = [b / s for s, b in zip(secs[c], secs[base])]  # speedup of c over the baseline, per pair
+            rows.append({
+                "config": c, "batch_size": B, "pairs": args.pairs,
+                "median_s": statistics.median(secs[c]),
+                "tokens_per_s": B * args.max_new_tokens / statistics.median(secs[c]),
+                "speedup_vs_base": statistics.median(ratios),
+                "speedup_min": min(ratios), "speedup_max": max(ratios),
+                "tokens_per_step": args.pairs * args.max_new_tokens / max(1, steps[c]),
+                "identical_to_base": outs[c] == outs[base],
+            })
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def write(args, rows) -> None:
+    out = os.path.join(ROOT, "benchmarks", "results", args.name)
+    cmd = "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    meta = {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "baseline": args.configs[0],
+            "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
+    with open(out + ".json", "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+    lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
+             f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
+             f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts, greedy, EOS "
+             f"ignored).  speedup = baseline seconds / configuration seconds of the generation pair, median "
+             f"(min-max) over the pairs; baseline `{args.configs[0]}`.  tokens/step: per request, prefill step "
+             f"included (engine steps counted).", "",
+             "| config | B | tok/s | speedup vs baseline | min-max | tokens/step | identical to baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_base']:.3f}x | "
+                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['tokens_per_step']:.2f} | {r['identical_to_base']} |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}.json and .md")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="vanilla,chain:2", help="comma-separated; the first is the baseline")
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--pairs", type=int, default=10, help="timed generations per configuration and batch size")
+    p.add_argument("--dataset", default="mt-bench", help="prompt set of falcon_vllm.models.load_chat_prompts")
+    p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
+    p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
+    p.add_argument("--name", default="ab_step")
+    args = p.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if len(args.configs) < 2:
+        raise SystemExit("falcon-vllm: --configs needs a baseline and at least one configuration to compare")
+    write(args, run(args))
+
+
+if __name__ == "__main__":
+    main()
