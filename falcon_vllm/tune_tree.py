@@ -266,7 +266,7 @@ def main(args):
     DecodingTree(out["paths"], drafter.k)  # validates
     print(f"wrote {args.out}")
     if largest["num_nodes"] == 0:
-        print("no tree pays off at any batch size on this machine with this drafter: serve without a "
-              "speculative config (a schedule of empty trees still pays the speculative path's per-step "
-              "overhead), or train a stronger drafter")
+        print("no tree pays off at any batch size on this machine with this drafter: this file serves with "
+              "drafting off at every batch size (a step then costs what a vanilla step costs); serve without "
+              "a speculative config, or train a stronger drafter")
     return 0

@@ -63,6 +63,9 @@ def _engine_specs(base) -> dict:
         "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
         "falcon_rnd_fc2_unpadded": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4,
                                             "disable_padded_drafter_batch": True}, {}),
+        # vLLM's dynamic speculation: K=3 up to batch 3, no drafts from batch 4
+        "falcon_rnd_sched": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 3,
+                                     "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 1 << 20, 0]]}, {}),
         "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
         "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
         "ctx": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
@@ -112,6 +115,16 @@ def test_vanilla_reference(engines, ckpts):
     llm = engines.get("vanilla_rnd")
     prompts = PROMPTS + SHORT + [_cached_prompt(llm)]
     ckpts["vanilla"] = {tuple(p): t for p, t in zip(prompts, _greedy(llm, prompts)[0])}
+    ckpts["vanilla_seeded"] = _seeded(llm, PROMPTS + SHORT)
+
+
+def _seeded(llm, prompts):
+    from vllm import SamplingParams
+
+    sps = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+           for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.mark.parametrize("name", ["falcon_rnd_k3", "falcon_rnd_fc2_unpadded"])
@@ -133,6 +146,25 @@ def test_random_drafter_greedy_identical_to_vanilla(engines, ckpts, name):
     K = prop.num_speculative_tokens
     assert d["num_drafts"] > 0 and d["num_draft_tokens"] == K * d["num_drafts"]
     assert prop.passes == prop.steps * math.ceil(K / prop.k)
+
+
+def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
+    """Chain mode under vLLM's per-batch-size schedule: at batch 6 nothing is drafted, and such a step samples
+    with vLLM's plain sampler as a vanilla step does (no rejection sampler on empty drafts): greedy and seeded
+    random sampling return vanilla's exact tokens.  At batch 1 the chain drafts and is verified as usual."""
+    ref, seeded = ckpts.get("vanilla"), ckpts.get("vanilla_seeded")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get("falcon_rnd_sched")
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    calls = []
+    rejection = runner.rejection_sampler
+    monkeypatch.setattr(runner, "rejection_sampler", lambda *a, **k: calls.append(1) or rejection(*a, **k))
+    skipped = drafter_of(llm).skipped_steps
+    assert _greedy(llm, PROMPTS + SHORT)[0] == [ref[tuple(p)] for p in PROMPTS + SHORT]
+    assert _seeded(llm, PROMPTS + SHORT) == seeded
+    assert calls == [] and drafter_of(llm).skipped_steps > skipped
+    assert _greedy(llm, PROMPTS[:1])[0][0] == ref[tuple(PROMPTS[0])] and calls
 
 
 def test_drafts_match_reference_engine(engines, ckpts):
