@@ -12,7 +12,8 @@ median of those ratios is reported with its spread.  The outputs are checked aga
   python benchmarks/ab_step.py --configs vanilla,tree:benchmarks/results/tree_smollm2_v2_tuned.json \\
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
 
-Configurations as in profile_step.py: vanilla, chain[:K], tree[:<tree>], plus ngram[:K].
+Configurations as in profile_step.py: vanilla, chain[:K], tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
+(vLLM's EAGLE, --eagle-drafter) and ngram[:K].
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ sys.path.insert(0, HERE)
 from profile_step import _spec  # noqa: E402  (the configuration names of profile_step)
 
 
-def spec_for(cfg: str, drafter: str, num_spec_tokens: int):
+def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = None):
     kind, _, arg = cfg.partition(":")
+    if kind == "eagle":
+        return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -65,19 +68,21 @@ def run(args) -> list[dict]:
         engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
                            max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
                            disable_log_stats=False,
-                           speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens))
-    # engine steps per generation (vLLM's spec-decode metrics live in one registry per process, which
-    # only the engine built last reports to): tokens per step = max_new_tokens / steps, prefill included
+                           speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
+    # model steps per generation, counted at the runner (vLLM's spec-decode metrics live in one registry per
+    # process, which only the engine built last reports to): tokens per step = max_new_tokens / steps,
+    # the prefill step included
     step_count = {}
     for cfg, llm in engines.items():
         count = step_count[cfg] = [0]
-        orig = llm.llm_engine.step
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        orig = runner.execute_model
 
-        def step(*a, _orig=orig, _count=count, **kw):
-            _count[0] += 1
-            return _orig(*a, **kw)
+        def execute_model(scheduler_output, *a, _orig=orig, _count=count, **kw):
+            _count[0] += scheduler_output.total_num_scheduled_tokens > 0
+            return _orig(scheduler_output, *a, **kw)
 
-        llm.llm_engine.step = step
+        runner.execute_model = execute_model
     base = labels[0]
     sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
     rows = []
@@ -126,7 +131,7 @@ def write(args, rows) -> None:
              f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts, greedy, EOS "
              f"ignored).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; baseline `{args.configs[0]}`.  tokens/step: per request, prefill step "
-             f"included (engine steps counted).", "",
+             f"included (the runner's model steps counted).", "",
              "| config | B | tok/s | speedup vs baseline | min-max | tokens/step | identical to baseline |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -146,6 +151,8 @@ def main(argv=None) -> None:
     p.add_argument("--dataset", default="mt-bench", help="prompt set of falcon_vllm.models.load_chat_prompts")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
     p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    p.add_argument("--eagle-drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct-eagle"),
+                   help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--name", default="ab_step")
     args = p.parse_args(argv)
