@@ -159,6 +159,16 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
     (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3}))
     sc = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config
     assert sc.num_speculative_tokens == 3 and sc.draft_model_config.hf_config.falcon["mode"] == "chain"
+    # a chain with vLLM's per-batch-size schedule: drafting off from batch 4
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3,
+                                                    "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 64, 0]]}))
+    sc = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config
+    assert sc.num_speculative_tokens == 3 and sc.draft_model_config.hf_config.falcon["mode"] == "chain"
+    assert [list(r) for r in sc.num_speculative_tokens_per_batch_size] == [[1, 3, 3], [4, 64, 0]]
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3,
+                                                    "num_speculative_tokens_per_batch_size": [[1, 3, 5]]}))
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size must be"):
+        _config(dirs, {"method": "falcon", "model": str(chain)})
     tree = tmp_path / "tree"
     shutil.copytree(dirs / "good", tree)
     (tree / "serving.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]], "by_batch_size": {

@@ -81,18 +81,26 @@ def check_weights(path: str) -> None:
 SERVING_FILE = "serving.json"
 
 
-def recommended_serving(path: str) -> tuple[str | None, int | None]:
-    """(tree spec, num_speculative_tokens) a drafter directory recommends in ``serving.json``: either a
-    ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
-    ``{"num_speculative_tokens": n}`` (a chain); (None, None) when it has none."""
+def recommended_serving(path: str) -> tuple[str | None, int | None, list | None]:
+    """(tree spec, num_speculative_tokens, chain schedule) a drafter directory recommends in ``serving.json``:
+    either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
+    ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's ``num_speculative_tokens_per_batch_size``
+    (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off); all None when it has none."""
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
-        return None, None
+        return None, None, None
     rec = read_tree_file(f)
     if rec.tuned:
-        return f, None
-    if rec.num_speculative_tokens is not None:
-        return None, rec.num_speculative_tokens
+        return f, None, None
+    n, sched = rec.num_speculative_tokens, rec.chain_schedule
+    if n is not None:
+        if sched is not None and not (isinstance(sched, list) and all(
+                isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and x >= 0 for x in r)
+                and r[0] <= r[1] and r[2] <= n for r in sched)):
+            raise ValueError(f"falcon-vllm: {f}: num_speculative_tokens_per_batch_size must be a list of "
+                             f"[min batch size, max batch size, K] with 0 <= K <= num_speculative_tokens ({n}), "
+                             f"got {sched!r}")
+        return None, n, sched
     raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
 
 
@@ -138,7 +146,9 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
-        tree_spec, n = recommended_serving(path)
+        tree_spec, n, chain_schedule = recommended_serving(path)
+        if chain_schedule is not None and sc.get("num_speculative_tokens_per_batch_size") is None:
+            sc["num_speculative_tokens_per_batch_size"] = chain_schedule
     tree = None
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
