@@ -13,7 +13,7 @@ median of those ratios is reported with its spread.  The outputs are checked aga
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
 
 Configurations as in profile_step.py: vanilla, chain[:K], tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
-(vLLM's EAGLE, --eagle-drafter) and ngram[:K].
+(vLLM's EAGLE, --eagle-drafter), ngram[:K], and falcon (the drafter's serving.json decides).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | 
     kind, _, arg = cfg.partition(":")
     if kind == "eagle":
         return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
+    if kind == "falcon":  # the drafter's own recommendation (its serving.json)
+        return {"method": "falcon", "model": drafter}
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -70,8 +72,8 @@ def run(args) -> list[dict]:
                            disable_log_stats=False,
                            speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
     # model steps per generation, counted at the runner (vLLM's spec-decode metrics live in one registry per
-    # process, which only the engine built last reports to): tokens per step = max_new_tokens / steps,
-    # the prefill step included
+    # process, which only the engine built last reports to), the prefill step included: until the batch's
+    # slowest request finishes, so max_new_tokens / steps is the tokens per step only at batch 1
     step_count = {}
     for cfg, llm in engines.items():
         count = step_count[cfg] = [0]
@@ -111,7 +113,7 @@ def run(args) -> list[dict]:
                 "tokens_per_s": B * args.max_new_tokens / statistics.median(secs[c]),
                 "speedup_vs_base": statistics.median(ratios),
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
-                "tokens_per_step": args.pairs * args.max_new_tokens / max(1, steps[c]),
+                "steps_per_generation": steps[c] / args.pairs,
                 "identical_to_base": outs[c] == outs[base],
             })
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
@@ -130,13 +132,13 @@ def write(args, rows) -> None:
              f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
              f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts, greedy, EOS "
              f"ignored).  speedup = baseline seconds / configuration seconds of the generation pair, median "
-             f"(min-max) over the pairs; baseline `{args.configs[0]}`.  tokens/step: per request, prefill step "
-             f"included (the runner's model steps counted).", "",
-             "| config | B | tok/s | speedup vs baseline | min-max | tokens/step | identical to baseline |",
+             f"(min-max) over the pairs; baseline `{args.configs[0]}`.  steps/generation: the runner's model "
+             f"steps per generation, prefill included, until the batch's slowest request is done.", "",
+             "| config | B | tok/s | speedup vs baseline | min-max | steps/generation | identical to baseline |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_base']:.3f}x | "
-                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['tokens_per_step']:.2f} | {r['identical_to_base']} |")
+                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['steps_per_generation']:.1f} | {r['identical_to_base']} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}.json and .md")
