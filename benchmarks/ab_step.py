@@ -13,7 +13,8 @@ median of those ratios is reported with its spread.  The outputs are checked aga
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
 
 Configurations as in profile_step.py: vanilla, chain[:K], tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
-(vLLM's EAGLE, --eagle-drafter), ngram[:K], and falcon (the drafter's serving.json decides).
+(vLLM's EAGLE, --eagle-drafter), ngram[:K], and falcon (the drafter's serving.json decides); a suffix
+``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from profile_step import _spec  # noqa: E402  (the configuration names of profil
 
 
 def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = None):
+    cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
+    if other:
+        drafter = eagle_drafter = other
     kind, _, arg = cfg.partition(":")
     if kind == "eagle":
         return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
