@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
-                             reference_drafts, save_target, spec_counters)
+                             reference_drafts, runner_of, save_target, seeded, spec_counters)
 
 from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 
@@ -115,16 +115,7 @@ def test_vanilla_reference(engines, ckpts):
     llm = engines.get("vanilla_rnd")
     prompts = PROMPTS + SHORT + [_cached_prompt(llm)]
     ckpts["vanilla"] = {tuple(p): t for p, t in zip(prompts, _greedy(llm, prompts)[0])}
-    ckpts["vanilla_seeded"] = _seeded(llm, PROMPTS + SHORT)
-
-
-def _seeded(llm, prompts):
-    from vllm import SamplingParams
-
-    sps = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
-           for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    ckpts["vanilla_seeded"] = seeded(llm, PROMPTS + SHORT)
 
 
 @pytest.mark.parametrize("name", ["falcon_rnd_k3", "falcon_rnd_fc2_unpadded"])
@@ -152,17 +143,17 @@ def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
     """Chain mode under vLLM's per-batch-size schedule: at batch 6 nothing is drafted, and such a step samples
     with vLLM's plain sampler as a vanilla step does (no rejection sampler on empty drafts): greedy and seeded
     random sampling return vanilla's exact tokens.  At batch 1 the chain drafts and is verified as usual."""
-    ref, seeded = ckpts.get("vanilla"), ckpts.get("vanilla_seeded")
+    ref, ref_seeded = ckpts.get("vanilla"), ckpts.get("vanilla_seeded")
     if ref is None:
         pytest.skip("needs test_vanilla_reference")
     llm = engines.get("falcon_rnd_sched")
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    runner = runner_of(llm)
     calls = []
     rejection = runner.rejection_sampler
     monkeypatch.setattr(runner, "rejection_sampler", lambda *a, **k: calls.append(1) or rejection(*a, **k))
     skipped = drafter_of(llm).skipped_steps
     assert _greedy(llm, PROMPTS + SHORT)[0] == [ref[tuple(p)] for p in PROMPTS + SHORT]
-    assert _seeded(llm, PROMPTS + SHORT) == seeded
+    assert seeded(llm, PROMPTS + SHORT) == ref_seeded
     assert calls == [] and drafter_of(llm).skipped_steps > skipped
     assert _greedy(llm, PROMPTS[:1])[0][0] == ref[tuple(PROMPTS[0])] and calls
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
-                             reference_drafts, save_target, spec_counters)
+                             reference_drafts, runner_of, save_target, seeded, spec_counters)
 
 from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -95,16 +95,7 @@ def test_vanilla_reference(engines, ckpts):
     llm = engines.get("vanilla")
     ckpts["vanilla"] = {tuple(p): t for p, t in zip(PROMPTS, _greedy(llm, PROMPTS, n=64)[0])}
     ckpts["vanilla_logprobs"] = _logprobs(llm, PROMPTS[:3])
-    ckpts["vanilla_seeded"] = _seeded(llm, PROMPTS)
-
-
-def _seeded(llm, prompts):
-    from vllm import SamplingParams
-
-    sps = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
-           for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    ckpts["vanilla_seeded"] = seeded(llm, PROMPTS)
 
 
 @pytest.mark.parametrize("name,nodes", [("llama", 118), ("vicuna", 165), ("tuned_k3", 40)])
@@ -148,15 +139,15 @@ def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
     if ref is None:
         pytest.skip("needs test_vanilla_reference")
     llm = engines.get("tuned_k3")
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    runner = runner_of(llm)
     calls = []
     tree_sample, rejection = tree_verify.tree_sample, runner.rejection_sampler
     monkeypatch.setattr(tree_verify, "tree_sample", lambda *a, **k: calls.append("tree") or tree_sample(*a, **k))
     monkeypatch.setattr(runner, "rejection_sampler", lambda *a, **k: calls.append("rej") or rejection(*a, **k))
     skipped = drafter_of(llm).skipped_steps
-    assert _seeded(llm, PROMPTS) == ref
+    assert seeded(llm, PROMPTS) == ref
     assert calls == [] and drafter_of(llm).skipped_steps > skipped
-    _seeded(llm, PROMPTS[:1])  # batch 1 drafts a 40-node tree: the tree sampler serves it
+    seeded(llm, PROMPTS[:1])  # batch 1 drafts a 40-node tree: the tree sampler serves it
     assert "tree" in calls
 
 

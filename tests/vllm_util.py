@@ -30,8 +30,12 @@ def make_llm(model: str, speculative_config=None, **kw):
     return LLM(speculative_config=speculative_config, **args)
 
 
+def runner_of(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
 def drafter_of(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    return runner_of(llm).drafter
 
 
 class EngineCache:
@@ -62,6 +66,16 @@ def greedy(llm, prompts, n=40):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+def seeded(llm, prompts, n=12):
+    """Seeded random sampling (temperature 0.9, top-p 0.95, seed 100 + prompt index, EOS ignored) -> token lists."""
+    from vllm import SamplingParams
+
+    sps = [SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+           for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 # Losslessness on a context target (``context_llama``): after a context ending in t the next token is
