@@ -28,16 +28,11 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# several engines live in this process: 1 GiB of KV cache each (profile_step's environment sets the rest)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.normpath(os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-
-from profile_step import _spec  # noqa: E402  (the configuration names of profile_step)
+from profile_step import ROOT, _spec  # noqa: E402  (its environment, its configuration names)
 
 
 def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = None):

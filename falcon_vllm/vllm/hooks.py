@@ -156,12 +156,11 @@ def _propose_draft_token_ids(orig):
     (the valid-token count of async scheduling).  The step then costs what a vanilla step costs."""
     import torch
 
-    from falcon_vllm.vllm.proposer import FalconProposer
+    from falcon_vllm.vllm.proposer import falcon_proposer
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        drafter = getattr(self, "drafter", None)
-        if (not isinstance(drafter, FalconProposer) or not drafter.falcon
-                or scheduler_output.num_spec_tokens_to_schedule != 0):
+        drafter = falcon_proposer(self)
+        if drafter is None or scheduler_output.num_spec_tokens_to_schedule != 0:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):
             next_ids, counts = drafter.prepare_next_token_ids_padded(

@@ -63,6 +63,12 @@ def unwrap_model(model):
     return model
 
 
+def falcon_proposer(runner) -> "FalconProposer | None":
+    """The runner's drafter when it is a Falcon proposer running a Falcon drafter (else None: vLLM's own)."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, FalconProposer) and drafter.falcon else None
+
+
 class FalconProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)

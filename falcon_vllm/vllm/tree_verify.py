@@ -499,20 +499,15 @@ def _sample_tokens(orig):
     return sample_tokens
 
 
-def _falcon_runner(runner) -> bool:
-    from falcon_vllm.vllm.proposer import FalconProposer
-
-    drafter = getattr(runner, "drafter", None)
-    return isinstance(drafter, FalconProposer) and bool(drafter.falcon)
-
-
 def _sample(orig):
+    from falcon_vllm.vllm.proposer import falcon_proposer  # (proposer imports this module)
+
     def _sample(self, logits, spec_decode_metadata):
         state = tree_state(self)
         step = None if state is None else state.step
         if step is None or spec_decode_metadata is None:
             if (spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens)
-                    and _falcon_runner(self)):
+                    and falcon_proposer(self) is not None):
                 # no-drafts fast path, verify side: vLLM builds spec-decode metadata for every step of a
                 # speculative engine, even one that verifies nothing (a schedule that turns drafting off);
                 # such a step samples with vLLM's plain sampler, exactly as a vanilla step does (one logits
