@@ -139,6 +139,45 @@ def test_verify_tree_attention_matches_dense_oracle(case):
     assert bool((out[qsl[-1]:] == 7.0).all())           # rows outside the trees untouched
 
 
+def test_verify_tree_attention_whole_batch_on_cpu(case):
+    """The CPU whole-batch path (the stock kernel skipped): a tree request and a request without a tree
+    (3 causal rows, padded to the tree's width), both reading this step's K/V from the cache, where the
+    backend's own writer put them before attention; then the tree request alone (batch of one)."""
+    if case["backend"] != "cpu":
+        pytest.skip("the whole-batch path of a CUDA tensor is the Triton kernel (tests/test_kernels.py)")
+    d, g, impl, bs, kv = case["d"], case["g"], case["impl"], case["bs"], case["caches"][0]
+    masks = [ancestor_mask_from_parents(torch.tensor([-1, 0, 0, 1, 2, 3])), torch.ones(3, 3, dtype=torch.bool).tril()]
+    W = [len(m) for m in masks]
+    q, k, v = (torch.randn(sum(W), h, d, generator=g) for h in (HQ, HKV, HKV))
+    qsl = [0, W[0], W[0] + W[1]]
+    for r in range(2):  # the step's K/V go to the slots right after each prefix
+        pos = case["plens"][r] + torch.arange(W[r])
+        slots = case["table"][r].long()[pos // bs] * bs + pos % bs
+        _store("cpu", kv, k[qsl[r]:qsl[r + 1]], v[qsl[r]:qsl[r + 1]], slots, bs, d)
+
+    def want(r):
+        pk, pv = case["dense"][0][r]
+        s, e, P = qsl[r], qsl[r + 1], case["plens"][r]
+        mask = torch.cat([torch.ones(W[r], P, dtype=torch.bool), masks[r]], 1)
+        return _sdpa(q[s:e], torch.cat([pk, k[s:e]]), torch.cat([pv, v[s:e]]), mask, impl.scale)
+
+    for reqs in ([0, 1], [0]):
+        class MD:
+            seq_lens = torch.tensor([case["plens"][r] + W[r] for r in reqs], dtype=torch.int32)
+            block_table = case["table"][reqs]
+            max_seq_len = int(seq_lens.max())
+        bits = torch.cat([pack_tree_mask(masks[r], 1) for r in reqs])
+        n = qsl[len(reqs)]
+        att = tree_verify.VerifyTreeAttention(None, None, qsl[: len(reqs) + 1], bits, "cpu", whole=True)
+        out = torch.full((n + 2, HQ * d), 7.0)          # 2 rows past the batch (vLLM's padding)
+        for _ in range(2):                              # the second layer reuses the forward's plan
+            att.attend(impl, _Layer("l0", "vec"), q, k, v, kv, MD, out)
+        got = out.view(n + 2, HQ, d)
+        for r in reqs:
+            torch.testing.assert_close(got[qsl[r]:qsl[r + 1]].double(), want(r), atol=1e-5, rtol=1e-5)
+        assert bool((got[n:] == 7.0).all())
+
+
 def test_slot_copies_and_kv_compaction_move_exactly_the_given_slots(case):
     """copy_kv_slots (CPU compaction) and kernels.kv_compaction's vllm_planes (FLASH_ATTN only) move
     the K/V of src slots into dst slots, every head, and nothing else."""

@@ -147,18 +147,18 @@ class VerifyTreeAttention:
         return md is not None  # vLLM's dummy/profile forwards carry no metadata
 
     def attend(self, impl, layer, q, k, v, kv_cache, md, output):
-        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
         H, D = q.shape[1], q.shape[2]
         if self._md is not md:  # once per KV-cache group and forward, not per layer
             self._md = md
             self._prefix = (md.seq_lens[self.req_idx] - self.qlens).to(torch.int32)
             self._table = md.block_table[self.req_idx]
         out = output.view(-1, H, D)
+        n = self.total
+        if self.whole and not q.is_cuda:  # CPU: the whole batch in a few batched ops per layer (padded requests)
+            out[:n] = self._dense(q, kv_cache, impl.scale).to(out.dtype)
+            return
+        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
         if self.whole:
-            n = self.total
-            if not q.is_cuda:  # CPU: one batched call per layer (padded requests) instead of a loop over them
-                out[:n] = self._dense(q, k, v, kc, vc, impl.scale).to(out.dtype)
-                return
             _attn_fn(q)(q[:n], k[:n], v[:n], kc, vc, self._table, self._prefix, self.qsl, self.bits, impl.scale,
                         out=out[:n], max_query_len=self.max_w, max_prefix_len=int(md.max_seq_len))
             return
@@ -166,32 +166,62 @@ class VerifyTreeAttention:
                           self.bits, impl.scale, max_query_len=self.max_w, max_prefix_len=int(md.max_seq_len))
         out[self.rows] = res.to(output.dtype)
 
-    def _dense_plan(self, bs: int):
-        """Per forward: padded row index [B, Wmax], valid rows, and the mask [B, Wmax, P + Wmax]."""
+    def _cpu_plan(self, kv_cache: torch.Tensor, heads: int):
+        """Per forward (CPU, whole batch): rows of the paged cache to gather, query padding, additive mask.
+
+        The CPU cache of a layer is [blocks, Hkv, bs, 2 * D] holding, per (block, kv head), the keys
+        as [D, bs] then the values as [bs, D] (:func:`paged_kv`).  Seen as rows of ``bs`` elements,
+        the keys of (block, head, d) are one row and the values of (block, head) are D consecutive
+        rows, so one ``index_select`` gathers every request's K^T [Hkv, D, L] and V [Hkv, L, D] for
+        L = its blocks x bs positions.  vLLM has already written this step's K/V into their slots
+        (CPU_ATTN updates the cache before ``forward``), so the in-flight keys are read from the
+        cache too; the mask allows the committed prefix and, of the in-flight positions, the row's
+        ancestors (its causal predecessors for a request without a tree).
+        """
         if getattr(self, "_plan_md", None) is self._md:
             return self._plan
-        qsl = self.qsl.long()
+        nb, hkv, bs, d2 = kv_cache.shape
+        D = d2 // 2
         B, W = self.qlens.shape[0], self.max_w
-        P = max(int(self._prefix.max()), 1)                                     # CPU: no device to wait for
+        seq = self._prefix + self.qlens                                         # [B] keys per request
+        nblk = (int(seq.max()) + bs - 1) // bs                                  # CPU: no device to wait for
+        L = nblk * bs
+        blk = self._table[:, :nblk].long()                                      # [B, nblk]
+        base = (blk[:, None] * hkv + torch.arange(hkv)[None, :, None]) * d2     # [B, Hkv, nblk] first row
+        c = torch.arange(D)
+        k_rows = base[:, :, None, :] + c[None, None, :, None]                   # [B, Hkv, D, nblk]
+        v_rows = base[:, :, :, None] + D + c[None, None, None, :]               # [B, Hkv, nblk, D]
+        rows = torch.stack([k_rows.reshape(-1), v_rows.reshape(-1)])
+        qsl = self.qsl.long()
         i = torch.arange(W)
         valid = i[None] < self.qlens[:, None]                                   # [B, W]
         idx = torch.where(valid, qsl[:-1, None] + i[None], 0)
-        inflight = unpack_tree_bits(self.bits, W)[idx] & valid[:, :, None]     # [B, W, W]
-        inflight |= torch.eye(W, dtype=torch.bool)[None] & ~valid[:, :, None]  # padding rows see themselves
-        prefix = (torch.arange(P)[None] < self._prefix[:, None])[:, None].expand(B, W, P)
-        nblk = (P + bs - 1) // bs
-        self._plan = (idx, valid, torch.cat([prefix, inflight], 2), P, self._table[:, :nblk].long())
+        tree = unpack_tree_bits(self.bits, W)[idx] & valid[:, :, None]          # [B, W, W]
+        pos = torch.arange(L)[None] - self._prefix[:, None].long()              # [B, L] position - prefix
+        flight = torch.gather(tree, 2, pos.clamp(0, W - 1)[:, None].expand(B, W, L))
+        allow = (pos < 0)[:, None] | (flight & (pos < self.qlens[:, None])[:, None])
+        allow[:, :, 0] |= ~valid                       # padding rows (dropped) see key 0: no NaN anywhere
+        G = heads // hkv
+        bias = torch.zeros(B, W, L).masked_fill_(~allow, float("-inf"))
+        bias = bias[:, None, :, None].expand(B, hkv, W, G, L).reshape(B * hkv, W * G, L)
+        self._plan = (rows.reshape(-1), bias, idx, valid, L)
         self._plan_md = self._md
         return self._plan
 
-    def _dense(self, q, k, v, kc, vc, scale):
-        idx, valid, mask, P, blocks = self._dense_plan(kc.shape[1])
+    def _dense(self, q, kv_cache, scale):
+        """CPU, whole batch: every row in 5 ops per layer (gather, baddbmm, softmax, bmm, copy)."""
+        rows, bias, idx, valid, L = self._cpu_plan(kv_cache, q.shape[1])
+        nb, hkv, bs, d2 = kv_cache.shape
         B, W = idx.shape
-        hkv, D = kc.shape[2], kc.shape[3]
-        pk = kc[blocks].reshape(B, -1, hkv, D)[:, :P]
-        pv = vc[blocks].reshape(B, -1, hkv, D)[:, :P]
-        o = dense_attention(q[idx], torch.cat([pk, k[idx]], 1), torch.cat([pv, v[idx]], 1), mask, scale)
-        return o[valid]                                                         # [T, H, D], request order
+        H, D = q.shape[1], q.shape[2]
+        G = H // hkv
+        kv = torch.index_select(kv_cache.reshape(-1, bs), 0, rows).view(2, B * hkv, -1).float()
+        kt, v = kv[0].view(B * hkv, D, L), kv[1].view(B * hkv, L, D)
+        qr = (q[: self.total] if B == 1 else q[idx]).view(B, W, hkv, G, D)
+        qg = qr.transpose(1, 2).reshape(B * hkv, W * G, D).float()
+        p = torch.softmax(torch.baddbmm(bias, qg, kt, alpha=scale), -1)
+        o = torch.bmm(p, v).view(B, hkv, W, G, D).transpose(1, 2)              # [B, W, Hkv, G, D]
+        return o[0].reshape(W, H, D) if B == 1 else o.reshape(B, W, H, D)[valid]
 
 
 
