@@ -40,7 +40,7 @@ from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_b
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_verify
 from falcon_vllm.vllm import patches
-from falcon_vllm.vllm.paged_kv import copy_kv_slots, dense_attention, kv_layout, paged_kv, tree_attention_scope
+from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, tree_attention_scope
 from falcon_vllm.vllm.tree_draft import TreeState
 
 
