@@ -59,7 +59,7 @@ def run(args) -> list[dict]:
     model = args.model or str(model_path())
     tok = AutoTokenizer.from_pretrained(model)
     prompts = []
-    for q in load_chat_prompts(args.dataset, max(args.batch_sizes)):
+    for q in load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes)):
         ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                       tokenize=True)
         prompts.append({"prompt_token_ids": [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]})
@@ -88,13 +88,14 @@ def run(args) -> list[dict]:
     sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
     rows = []
     for B in args.batch_sizes:
-        batch = prompts[:B]
+        N = max(args.prompts or B, B)
+        batches = [[prompts[(i * B + j) % N] for j in range(B)] for i in range(args.pairs)]  # pair i's prompts
         for llm in engines.values():  # warm-up
-            llm.generate(batch, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+            llm.generate(batches[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
         secs = {c: [] for c in labels}
-        outs = {}
+        outs = {c: [] for c in labels}
         steps = {c: 0 for c in labels}
-        for i in range(args.pairs):
+        for i, batch in enumerate(batches):
             n = len(labels)
             order = [labels[(i + j) % n] for j in range(n)]  # rotate: no configuration always first
             for c in order:
@@ -103,7 +104,7 @@ def run(args) -> list[dict]:
                 o = engines[c].generate(batch, sp, use_tqdm=False)
                 secs[c].append(time.perf_counter() - t0)
                 steps[c] += step_count[c][0] - before
-                outs[c] = [list(x.outputs[0].token_ids) for x in o]
+                outs[c].append([list(x.outputs[0].token_ids) for x in o])
         for c in labels:
             ratios = [b / s for s, b in zip(secs[c], secs[base])]  # speedup of c over the baseline, per pair
             rows.append({
@@ -129,7 +130,8 @@ def write(args, rows) -> None:
         json.dump({**meta, "rows": rows}, f, indent=1)
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
-             f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts, greedy, EOS "
+             f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts"
+             f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, EOS "
              f"ignored).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done.", "",
@@ -149,6 +151,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--pairs", type=int, default=10, help="timed generations per configuration and batch size")
+    p.add_argument("--prompts", type=int, default=0,
+                   help="rotate over the first N prompts (pair i takes the next B of them; default: the first B)")
     p.add_argument("--dataset", default="mt-bench", help="prompt set of falcon_vllm.models.load_chat_prompts")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
     p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))

@@ -139,10 +139,13 @@ def test_verify_tree_attention_matches_dense_oracle(case):
     assert bool((out[qsl[-1]:] == 7.0).all())           # rows outside the trees untouched
 
 
-def test_verify_tree_attention_whole_batch_on_cpu(case):
+@pytest.mark.parametrize("sdpa_min_rows", [tree_verify.SDPA_MIN_ROWS, 1], ids=["matmuls", "sdpa"])
+def test_verify_tree_attention_whole_batch_on_cpu(case, sdpa_min_rows, monkeypatch):
     """The CPU whole-batch path (the stock kernel skipped): a tree request and a request without a tree
     (3 causal rows, padded to the tree's width), both reading this step's K/V from the cache, where the
-    backend's own writer put them before attention; then the tree request alone (batch of one)."""
+    backend's own writer put them before attention; then the tree request alone (batch of one).  Both
+    branches: batched matmuls (small trees) and PyTorch's fused attention (from SDPA_MIN_ROWS rows)."""
+    monkeypatch.setattr(tree_verify, "SDPA_MIN_ROWS", sdpa_min_rows)
     if case["backend"] != "cpu":
         pytest.skip("the whole-batch path of a CUDA tensor is the Triton kernel (tests/test_kernels.py)")
     d, g, impl, bs, kv = case["d"], case["g"], case["impl"], case["bs"], case["caches"][0]
