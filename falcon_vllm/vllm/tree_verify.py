@@ -158,10 +158,11 @@ class VerifyTreeAttention:
             self._table = md.block_table[self.req_idx]
         out = output.view(-1, H, D)
         n = self.total
-        if self.whole and not q.is_cuda:  # CPU: the whole batch in a few batched ops per layer (padded requests)
+        layout = kv_layout(impl, layer)
+        if self.whole and layout == "cpu":  # CPU_ATTN: the whole batch in a few batched ops per layer
             out[:n] = self._dense(q, kv_cache, impl.scale).to(out.dtype)
             return
-        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
+        kc, vc = paged_kv(kv_cache, layout)
         if self.whole:
             _attn_fn(q)(q[:n], k[:n], v[:n], kc, vc, self._table, self._prefix, self.qsl, self.bits, impl.scale,
                         out=out[:n], max_query_len=self.max_w, max_prefix_len=int(md.max_seq_len))
