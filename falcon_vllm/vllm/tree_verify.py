@@ -12,9 +12,9 @@ A step of tree mode (the drafter's side is in :mod:`falcon_vllm.vllm.tree_draft`
    :class:`VerifyTreeAttention`: every token's attention is computed once.  When the batch holds
    only trees and short queries, the tree path serves every row (tree requests over the paged
    prefix plus their in-flight tokens under the ancestor mask, the others causally) and the stock
-   kernel is skipped (CUDA: the Triton kernel of ``kernels/tree_attention.py``; CPU: one batched
-   masked SDPA per layer).  A batch with a prefill chunk runs the stock kernel and recomputes the
-   tree requests' rows only.
+   kernel is skipped (CUDA: the Triton kernel of ``kernels/tree_attention.py``; CPU_ATTN: one gather
+   of K^T/V rows from the paged cache and a few batched ops per layer).  A batch with a prefill chunk
+   runs the stock kernel and recomputes the tree requests' rows only.
 4. ``_sample`` (wrapped): the tree sampler (greedy or lossless recursive rejection sampling from
    :mod:`falcon_vllm.verify`) replaces vLLM's chain rejection sampler and emits the accepted
    path's tokens + the bonus token in vLLM's output format.
