@@ -19,6 +19,7 @@ from typing import Any
 FORMAT_VERSION = 1
 ARCHITECTURE = "EagleFalconForCausalLM"  # name starts with "Eagle" so vLLM's EAGLEConfig keeps it
 FUSIONS = ("lstm", "fc")
+BLOCK_ORDERS = ("forward", "reversed")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -37,6 +38,9 @@ class FalconConfig:
     rope_theta: float = 10000.0
     attention_bias: bool = False      # q/k/v biases (Qwen2 layers)
     fc_bias: bool = False             # bias of the fc fusion (vLLM's EAGLE layout has none)
+    # which block position outputs which level: "forward" (the paper's: position r of a block -> level r+1)
+    # or "reversed" (the block's last position, the one whose input is newest, -> level 1; see drafter.py)
+    block_order: str = "forward"
     max_position_embeddings: int = 4096
     model_type: str = "llama"
     tree: str | None = None           # default decoding tree (preset name or list string)
@@ -49,6 +53,8 @@ class FalconConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.fusion not in FUSIONS:
             raise ValueError(f"falcon-vllm: fusion must be one of {FUSIONS}, got {self.fusion!r}")
+        if self.block_order not in BLOCK_ORDERS:
+            raise ValueError(f"falcon-vllm: block_order must be one of {BLOCK_ORDERS}, got {self.block_order!r}")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"falcon-vllm: k (tokens per drafter pass) must be an integer >= 1, got {self.k!r}")
         if self.num_layers < 1:
@@ -145,6 +151,7 @@ class FalconConfig:
                 "k": self.k,
                 "fusion": self.fusion,
                 "fc_bias": self.fc_bias,
+                **({"block_order": self.block_order} if self.block_order != "forward" else {}),
                 "tree": self.tree,
                 "target": self.target,
                 **({"extra": self.extra} if self.extra else {}),
@@ -172,6 +179,7 @@ class FalconConfig:
                 k=int(f.get("k", 2)),
                 fusion=f.get("fusion", "lstm"),
                 fc_bias=bool(f.get("fc_bias", False)),
+                block_order=f.get("block_order", "forward"),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
                 attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", False))),

@@ -18,6 +18,13 @@ blocks are aligned to the END of the chunk (``chunk_mask``), so the last k posit
 one block.  Block position r (0..k-1) is trained to output f_{e+1+r} where e is the block's last
 position: one pass of the last block predicts the next k features, hence k tokens.
 
+Block order (``config.block_order``).  In the paper's order ("forward") block position r outputs
+level r+1, so level 1 (the next token, the one that matters most) comes out of the block's FIRST
+position, whose own input is k-1 steps old: it must fetch the newest input through attention.
+"reversed" lets the block's LAST position (newest input, as in EAGLE) output level 1, position k-2
+level 2, and so on.  :meth:`FalconDrafter.forward` returns its outputs in level order either way
+(reversed inside each end-aligned block), so training labels and every caller are unchanged.
+
 Attention here takes an explicit boolean mask over ``[past ; new]`` keys, so the same module
 serves training (one chunk), the chunk pass and the tree passes of the reference engine.
 """
@@ -159,6 +166,17 @@ class PositionwiseLSTM(nn.LSTM):
         return out.reshape(B, T, -1)
 
 
+def level_order(B: int, T: int, k: int, lengths: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """[B, T] index that reverses every full k-block of a row, blocks aligned to the row's end (its length,
+    default T); a partial first block and padding keep their places.  Its own inverse."""
+    j = torch.arange(T, device=device).expand(B, T)
+    L = torch.full((B, 1), T, device=device) if lengths is None else lengths.to(device).long()[:, None]
+    r = (j - L) % k                                   # offset inside its end-aligned block
+    start = j - r
+    full = (start >= 0) & (j < L)
+    return torch.where(full, start + (k - 1 - r), j)
+
+
 # ---------------------------------------------------------------------- the drafter
 class FalconDrafter(nn.Module):
     """Falcon SAR drafter (see module docstring).  ``forward`` returns predicted features."""
@@ -249,7 +267,7 @@ class FalconDrafter(nn.Module):
         return self.lstm(x) if self.config.fusion == "lstm" else self.fc(x)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, past: KVCache | None = None):
+                mask: torch.Tensor, past: KVCache | None = None, lengths: torch.Tensor | None = None):
         """One drafter pass.
 
         Args:
@@ -258,6 +276,7 @@ class FalconDrafter(nn.Module):
             positions: [B, T] int64 rotary positions.
             mask: [B, T, P+T] or [T, P+T] bool, True = attend (keys: past then new).
             past: per-layer (K, V) [B, nkv, P, hd], or None.
+            lengths: [B] real positions of right-padded rows (blocks end at each row's length; default T).
         Returns:
             (out [B, T, H] predicted features, new_kv: per-layer (K, V) [B, nkv, T, hd]).
         """
@@ -268,6 +287,8 @@ class FalconDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, mask, past[i] if past is not None else None)
             new_kv.append(kv)
+        if self.config.block_order == "reversed" and self.k > 1:
+            x = x.gather(1, level_order(x.shape[0], x.shape[1], self.k, lengths, x.device)[..., None].expand_as(x))
         return x, new_kv
 
     # -- checkpoints -----------------------------------------------------

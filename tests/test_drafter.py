@@ -5,7 +5,7 @@ import torch
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.convert import convert_official, export_official
-from falcon_vllm.drafter import FalconDrafter, chunk_mask
+from falcon_vllm.drafter import FalconDrafter, chunk_mask, level_order
 from falcon_vllm.reference import DrafterCache, FalconReferenceEngine
 from falcon_vllm.testing import random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -156,7 +156,50 @@ def test_wrong_target_and_bad_checkpoints(tmp_path, target):
         FalconDrafter.from_pretrained(str(tmp_path / "shape"))
 
 
+def test_level_order():
+    # blocks end at each row's length; a partial first block and the padding stay in place
+    assert level_order(2, 7, 2, torch.tensor([7, 5])).tolist() == [[0, 2, 1, 4, 3, 6, 5], [0, 2, 1, 4, 3, 5, 6]]
+    assert level_order(1, 6, 3).tolist() == [[2, 1, 0, 5, 4, 3]]
+    idx = level_order(3, 11, 3, torch.tensor([11, 8, 2]))
+    assert torch.equal(idx.gather(1, idx), torch.arange(11).expand(3, 11))   # its own inverse
+    assert level_order(1, 4, 1).tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_reversed_block_order(tmp_path, target, k):
+    """A reversed drafter is the same network whose rows come out mirrored inside each end-aligned block:
+    level 1 from the block's last row.  Saved and loaded with its order; the forward order is the default."""
+    fwd = random_drafter(target, k=k, fusion="fc", num_layers=2, seed=7)
+    rev = random_drafter(target, k=k, fusion="fc", num_layers=2, seed=7, block_order="reversed")
+    assert fwd.config.block_order == "forward" and "block_order" not in fwd.config.to_hf_dict()["falcon"]
+    rev.save_pretrained(str(tmp_path))
+    rev = FalconDrafter.from_pretrained(str(tmp_path), target.config)
+    assert rev.config.block_order == "reversed"
+    g = torch.Generator().manual_seed(0)
+    B, T, H = 2, 9, target.config.hidden_size
+    emb, feats = torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
+    pos = torch.arange(T).expand(B, T)
+    lengths = torch.tensor([9, 6])
+    mask = torch.zeros(B, T, T, dtype=torch.bool)
+    for b, L in enumerate(lengths.tolist()):
+        mask[b] = torch.eye(T, dtype=torch.bool)
+        mask[b, :L, :L] = chunk_mask(0, L, k)
+    with torch.no_grad():
+        a, kv_a = fwd(emb, feats, pos, mask, lengths=lengths)
+        b_, kv_b = rev(emb, feats, pos, mask, lengths=lengths)
+    for L, x, y in zip(lengths.tolist(), a, b_):
+        first = L % k                                            # rows of the partial first block stay
+        assert torch.allclose(y[:first], x[:first], atol=1e-6)
+        for s in range(first, L, k):                             # every full block is mirrored
+            assert torch.allclose(y[s:s + k], x[s:s + k].flip(0), atol=1e-6)
+        assert not torch.allclose(y[first:L], x[first:L], atol=1e-3)
+    assert all(torch.equal(p, q) for (p, _), (q, _) in zip(kv_a, kv_b))     # the KV does not change
+
+
 def test_config_validation():
+    with pytest.raises(ValueError, match="block_order"):
+        FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+                     vocab_size=10, block_order="backwards")
     with pytest.raises(ValueError, match="fusion"):
         FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
                      vocab_size=10, fusion="gru")

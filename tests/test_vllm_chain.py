@@ -52,6 +52,8 @@ def ckpts(tmp_path_factory):
     rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
     save_target(rnd, str(base / "rnd"))
     random_drafter(rnd, k=3, fusion="lstm").save_pretrained(str(base / "rnd_lstm_k3"))
+    random_drafter(rnd, k=3, fusion="fc", seed=6, block_order="reversed").save_pretrained(
+        str(base / "rnd_fc_k3_rev"))
     random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3).save_pretrained(str(base / "rnd_fc2_k2"))
     return {"dir": base, "inc": inc, "rnd": rnd, "ctx": ctx}
 
@@ -61,6 +63,7 @@ def _engine_specs(base) -> dict:
     specs = {
         "vanilla_rnd": ("rnd", None, {}),
         "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
+        "falcon_rnd_k3_rev": ("rnd", {"model": "rnd_fc_k3_rev", "num_speculative_tokens": 5}, {}),
         "falcon_rnd_fc2_unpadded": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4,
                                             "disable_padded_drafter_batch": True}, {}),
         # vLLM's dynamic speculation: K=3 up to batch 3, no drafts from batch 4
@@ -158,8 +161,10 @@ def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
     assert _greedy(llm, PROMPTS[:1])[0][0] == ref[tuple(PROMPTS[0])] and calls
 
 
-def test_drafts_match_reference_engine(engines, ckpts):
-    """vLLM's SAR drafts (relaxed block + stash + block passes) equal the reference engine's.
+@pytest.mark.parametrize("name,drafter_dir", [("falcon_rnd_k3", "rnd_lstm_k3"), ("falcon_rnd_k3_rev", "rnd_fc_k3_rev")])
+def test_drafts_match_reference_engine(engines, ckpts, name, drafter_dir):
+    """vLLM's SAR drafts (relaxed block + stash + block passes) equal the reference engine's, for the
+    paper's block order and the reversed one (level 1 from the block's last row).
 
     The random drafter is rejected at almost every step, so nearly every relaxed block takes its
     older k-1 rows from the stash.  Prompts shorter than k are compared from round k on (the
@@ -168,7 +173,7 @@ def test_drafts_match_reference_engine(engines, ckpts):
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.reference import FalconReferenceEngine
 
-    llm = engines.get("falcon_rnd_k3")
+    llm = engines.get(name)
     prop = drafter_of(llm)
     K, k = prop.num_speculative_tokens, prop.k
     prompts = [PROMPTS[0], PROMPTS[1], SHORT[0]]
@@ -177,7 +182,8 @@ def test_drafts_match_reference_engine(engines, ckpts):
         tokens, outs = _greedy(llm, prompts, n=24)
     finally:
         del prop.propose
-    drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_lstm_k3"))
+    drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / drafter_dir))
+    assert drafter.config.block_order == ("reversed" if name.endswith("_rev") else "forward")
     eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree=f"chain-{K}")
     for p, toks, o in zip(prompts, tokens, outs):
         ref_tokens, ref_drafts = reference_drafts(eng, p, 24)

@@ -47,6 +47,8 @@ def ckpts(tmp_path_factory):
     rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
     save_target(rnd, str(base / "rnd"))
     random_drafter(rnd, k=2, fusion="lstm").save_pretrained(str(base / "rnd_k2"))
+    random_drafter(rnd, k=2, fusion="fc", seed=8, block_order="reversed").save_pretrained(
+        str(base / "rnd_k2_rev"))
     random_drafter(rnd, k=3, fusion="fc", num_layers=2, seed=4).save_pretrained(str(base / "rnd_k3"))
     _tuned_file(base / "tuned.json")
     inc = increment_llama(vocab=V, hidden=128, heads=2, kv_heads=1)
@@ -65,6 +67,7 @@ def _engine_specs(base) -> dict:
     specs = {
         "vanilla": ("rnd", None, {}),
         "llama": ("rnd", spec("rnd_k2", "falcon-llama"), {}),
+        "llama_rev": ("rnd", spec("rnd_k2_rev", "falcon-llama"), {}),
         "vicuna": ("rnd", spec("rnd_k2", "falcon-vicuna"), {}),
         "tuned_k3": ("rnd", spec("rnd_k3", str(base / "tuned.json")), {}),
         "oracle": ("rnd", spec("rnd_k2", "falcon-llama"), {"enable_prefix_caching": True, "block_size": 32}),
@@ -164,14 +167,15 @@ def test_logprobs_match_vanilla(engines, ckpts):
             assert all(abs(gs[t] - rs[t]) < 1e-4 for t in rs), (gs, rs)
 
 
-@pytest.mark.parametrize("batch", [[1], [1, 3, 7]])
-def test_tree_drafts_match_reference_engine(engines, ckpts, batch):
+@pytest.mark.parametrize("name,batch", [("llama", [1]), ("llama", [1, 3, 7]), ("llama_rev", [1, 3, 7])])
+def test_tree_drafts_match_reference_engine(engines, ckpts, name, batch):
     """vLLM's SAR tree drafting (paged prefix + step-local ancestor blocks, one batched attention call per
-    drafter pass over all requests and blocks) equals the reference engine's, request by request."""
+    drafter pass over all requests and blocks) equals the reference engine's, request by request (the
+    paper's block order, and the reversed one; 1-layer drafters: see the proposer's docstring)."""
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.reference import FalconReferenceEngine
 
-    llm = engines.get("llama")
+    llm = engines.get(name)
     prop = drafter_of(llm)
     log, orig = {}, prop.propose
 
@@ -187,7 +191,7 @@ def test_tree_drafts_match_reference_engine(engines, ckpts, batch):
         tokens, outs = _greedy(llm, prompts, n=16)
     finally:
         del prop.propose
-    drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / "rnd_k2"))
+    drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / ("rnd_k2_rev" if name == "llama_rev" else "rnd_k2")))
     for p, toks, o in zip(prompts, tokens, outs):
         eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree="falcon-llama")
         ref_tokens, ref_drafts = reference_drafts(eng, p, 16)

@@ -284,7 +284,7 @@ def forward(drafter, ids, feats, batch, net=None):
     """Drafter outputs [B, T, H] of a training batch; ``net`` is the module to call (a DDP wrapper)."""
     B, T = ids.shape
     pos = torch.arange(T, device=ids.device).expand(B, T)
-    out, _ = (net or drafter)(drafter.embed(ids), feats, pos, batch["attn"])
+    out, _ = (net or drafter)(drafter.embed(ids), feats, pos, batch["attn"], lengths=batch["lengths"])
     return out
 
 
@@ -389,6 +389,7 @@ class TrainConfig:
     max_context: int | None = 128         # prompt tokens kept before the answer (None: all)
     eval_roots: int = 240                 # held-out tree roots for the final simulated tau
     draft_vocab: int | None = None        # truncated draft head over the N most frequent answer tokens
+    block_order: str = "forward"          # forward (the paper's) | reversed: level 1 from the block's last row
     max_conversations: int | None = None  # train on the first N training conversations only
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
     train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
@@ -475,7 +476,7 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
     if cfg.max_conversations:  # data-size ablations: fewer training conversations, the same held-out ones
         train_set = train_set[:cfg.max_conversations]
     dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
-                                    draft_vocab_size=cfg.draft_vocab)
+                                    draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order)
     drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     if dcfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
@@ -689,6 +690,9 @@ def add_arguments(p):
                         "default: the target's full LM head")
     p.add_argument("--freeze-draft-head", action="store_true",
                    help="keep a truncated head at the target's LM-head rows (default: trained with the drafter)")
+    p.add_argument("--block-order", choices=["forward", "reversed"], default="forward",
+                   help="which block row outputs the next token: forward = the block's first (the paper's), "
+                        "reversed = its last, whose input is the newest")
     p.add_argument("--max-conversations", type=int, default=None,
                    help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
@@ -719,7 +723,7 @@ def main(args):
                       logit_positions=args.logit_positions or None, max_context=args.max_context or None,
                       eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
                       max_conversations=args.max_conversations, device=args.device,
-                      train_draft_head=not args.freeze_draft_head)
+                      train_draft_head=not args.freeze_draft_head, block_order=args.block_order)
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0

@@ -74,6 +74,8 @@ class FalconProposer(EagleProposer):
         super().__init__(vllm_config, device, runner)
         self.falcon = falcon_section(self.speculative_config.draft_model_config)
         self.k = int(self.falcon["k"]) if self.falcon else 1
+        # block_order "reversed": a block's last row outputs level 1 (FalconDrafter.forward's level_order)
+        self.reversed_blocks = bool(self.falcon) and self.falcon.get("block_order", "forward") == "reversed"
         self.steps = 0   # propose() calls that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
@@ -206,7 +208,8 @@ class FalconProposer(EagleProposer):
             out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
                                 hidden_states=self.hidden_states[:n])
         self.passes += 1
-        return out[:n].view(NB, k, -1)
+        out = out[:n].view(NB, k, -1)
+        return out.flip(1) if self.reversed_blocks else out
 
     def _topk(self, rows: torch.Tensor, topk: int) -> torch.Tensor:
         """rows [B, R, H] -> the drafter's top candidates [B, R, topk] (rank order)."""
@@ -270,7 +273,8 @@ class FalconProposer(EagleProposer):
             out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
                                 hidden_states=self.hidden_states[:n])
         self.passes += 1
-        return out[:n].view(B, k, -1)
+        out = out[:n].view(B, k, -1)
+        return out.flip(1) if self.reversed_blocks else out
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """positions [B, T] -> flat KV slots [B*T] (PADDING for positions outside [0, max_model_len))."""
