@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Drafters scored offline on the benchmark prompts: top-1 per block position and simulated tau.
+
+    python benchmarks/heldout_eval.py --drafter falcon=falcon_vllm/drafters/smollm2-135m-instruct \\
+        --drafter eagle=falcon_vllm/drafters/smollm2-135m-instruct-eagle --tree chain-2 --name heldout_eval
+
+The target answers the first turn of the first ``--num-prompts`` prompts of each dataset greedily
+(``falcon-vllm gen-data``: vLLM when installed, else transformers; cached in ``--work``, resumable),
+and every drafter is scored on those answers with the target's true features, as ``falcon-vllm
+train`` scores its held-out conversations: top-1 = the drafter's argmax equals the target's greedy
+token, per position in the k-block; sim tau = mean tokens per step (bonus included) on ``--tree``
+(or each drafter's own tree), roots every 3rd answer position.  These prompts are never trained on
+(gen-data's training data is ShareGPT); ``--sharegpt DIR`` adds the held-out split (the last 1/16)
+of a gen-data directory.  No vLLM engine runs the drafters here, so the figures isolate the drafter
+from serving: compare with ``ab_step.py``'s steps per generation for what serving loses.
+Writes ``benchmarks/results/<name>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATASETS = ("mt-bench", "humaneval", "gsm8k")
+
+
+def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: str) -> list:
+    """The target's greedy answers to the first turn of ``n`` prompts of ``dataset`` (gen-data samples)."""
+    from falcon_vllm.models import load_chat_prompts
+    from falcon_vllm.train import gen_data
+
+    out = os.path.join(work, f"{dataset}_n{n}_t{max_new_tokens}")
+    if not os.path.exists(os.path.join(out, "manifest.json")):
+        os.makedirs(out, exist_ok=True)
+        src = os.path.join(out, "prompts.json")  # ShareGPT layout: the target writes the answers
+        with open(src, "w") as f:
+            json.dump([{"id": str(p["id"]), "conversations": [{"from": "human", "value": p["turns"][0]},
+                                                              {"from": "gpt", "value": "-"}]}
+                       for p in load_chat_prompts(dataset, n)], f)
+        import importlib.util
+        backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        gen_data.run(target_dir, out, None, max_new_tokens, data=src, backend=backend)
+    return gen_data.load_shards(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", action="append", required=True, help="label=<drafter dir> (Falcon or vLLM EAGLE)")
+    p.add_argument("--datasets", default=",".join(DATASETS))
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tree", default="chain-2", help="tree for sim tau ('own': each drafter's default tree)")
+    p.add_argument("--sharegpt", default=None, help="gen-data dir(s), comma-separated: add its held-out 1/16")
+    p.add_argument("--roots", type=int, default=400, help="tree roots per dataset for sim tau")
+    p.add_argument("--work", default=".cache/heldout-eval")
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default="heldout_eval")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM
+
+    from falcon_vllm.drafter import FalconDrafter
+    from falcon_vllm.models import model_path
+    from falcon_vllm.train.gen_data import load_shards
+    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.tree import build_tree
+
+    t0 = time.time()
+    target_dir = a.model or str(model_path())
+    sets = {d: eval_set(d, a.num_prompts, a.max_new_tokens, a.work, target_dir) for d in a.datasets.split(",") if d}
+    if a.sharegpt:
+        data = load_shards(a.sharegpt)
+        sets["sharegpt-heldout"] = data[-max(1, len(data) // 16):]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    rows = []
+    for item in a.drafter:
+        label, _, path = item.partition("=")
+        if not path:
+            raise SystemExit(f"heldout_eval: --drafter takes label=<dir>, got {item!r}")
+        try:
+            d = FalconDrafter.from_pretrained(path, target.config)
+        except ValueError:  # vLLM's EAGLE layout: the k=1 fc drafter it is
+            d = FalconDrafter.from_vllm_eagle(path, target.config)
+        d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+        tree = d.config.tree if a.tree == "own" else a.tree
+        for name, samples in sets.items():
+            with torch.no_grad():
+                r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots)
+            row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
+                   "block_order": d.config.block_order, "dataset": name, "conversations": len(samples),
+                   "tree": tree, **r}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    res = {"command": "python benchmarks/heldout_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "seconds": round(time.time() - t0, 1),
+           "rows": rows}
+    os.makedirs(a.out_dir, exist_ok=True)
+    with open(os.path.join(a.out_dir, f"{a.name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    names = list(sets)
+    lines = [f"# Drafters on held-out prompts: {a.name}", "", f"Command: `{res['command']}`", "",
+             f"The target's greedy answers (first turn, at most {a.max_new_tokens} tokens) to the first "
+             f"{a.num_prompts} prompts of each dataset; the drafters read the target's true features. top-1: the "
+             "drafter's argmax equals the target's token, per block position; sim tau: mean tokens per step on the "
+             "tree (bonus included). Cells: top-1 by block position / sim tau.", "",
+             "| drafter | tree | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for label in dict.fromkeys(r["drafter"] for r in rows):
+        mine = {r["dataset"]: r for r in rows if r["drafter"] == label}
+        cells = [", ".join(f"{x:.3f}" for x in mine[n]["top1_by_block_position"]) + f" / {mine[n]['sim_tau']:.3f}"
+                 for n in names]
+        lines.append(f"| {label} | {mine[names[0]]['tree']} | " + " | ".join(cells) + " |")
+    with open(os.path.join(a.out_dir, f"{a.name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {os.path.join(a.out_dir, a.name)}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
