@@ -590,7 +590,7 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | Non
 
 RECIPES = {
     # SmolLM2-135M-Instruct on a 2-core CPU: gen-data through vLLM (3584 ShareGPT first turns x up to 160
-    # greedy tokens, about 1 h per 2048 on a quiet machine), then the Falcon drafter (k=2, fc fusion, CSGD, 2
+    # greedy tokens, about 35 min per 2048 conversations), then the Falcon drafter (k=2, fc fusion, CSGD, 2
     # decoder layers, reversed block order, 5 epochs: about 35 min with 2 threads) and the EAGLE-1 baseline
     # (1 layer, 5 epochs: the same 2,100 steps, about 25 min) on the same data with the same truncated head.
     "smollm2": {"num_conversations": 3584, "max_new_tokens": 160, "shard_size": 128, "backend": "vllm",
