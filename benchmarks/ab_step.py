@@ -12,7 +12,8 @@ median of those ratios is reported with its spread.  The outputs are checked aga
   python benchmarks/ab_step.py --configs vanilla,tree:benchmarks/results/tree_smollm2_v2_tuned.json \\
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
 
-Configurations as in profile_step.py: vanilla, chain[:K], tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
+Configurations as in profile_step.py: vanilla, chain[:K], lookup[:K[:F]] (prompt lookup of up to K tokens first,
+Falcon's chain of F otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
 (vLLM's EAGLE, --eagle-drafter), ngram[:K], and falcon (the drafter's serving.json decides); a suffix
 ``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``).
 """
@@ -85,7 +86,7 @@ def run(args) -> list[dict]:
 
         runner.execute_model = execute_model
     base = labels[0]
-    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=not args.stop_at_eos)
     rows = []
     for B in args.batch_sizes:
         N = max(args.prompts or B, B)
@@ -107,10 +108,12 @@ def run(args) -> list[dict]:
                 outs[c].append([list(x.outputs[0].token_ids) for x in o])
         for c in labels:
             ratios = [b / s for s, b in zip(secs[c], secs[base])]  # speedup of c over the baseline, per pair
+            tokens = sum(len(t) for batch_out in outs[c] for t in batch_out)
             rows.append({
                 "config": c, "batch_size": B, "pairs": args.pairs,
                 "median_s": statistics.median(secs[c]),
-                "tokens_per_s": B * args.max_new_tokens / statistics.median(secs[c]),
+                "tokens_per_s": tokens / sum(secs[c]),
+                "tokens_per_generation": tokens / (args.pairs * B),
                 "speedup_vs_base": statistics.median(ratios),
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "steps_per_generation": steps[c] / args.pairs,
@@ -131,15 +134,17 @@ def write(args, rows) -> None:
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
              f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts"
-             f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, EOS "
-             f"ignored).  speedup = baseline seconds / configuration seconds of the generation pair, median "
+             f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, "
+             f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done.", "",
-             "| config | B | tok/s | speedup vs baseline | min-max | steps/generation | identical to baseline |",
-             "|---|---|---|---|---|---|---|"]
+             "| config | B | tok/s | speedup vs baseline | min-max | tokens/generation | steps/generation | "
+             "identical to baseline |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_base']:.3f}x | "
-                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['steps_per_generation']:.1f} | {r['identical_to_base']} |")
+                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['tokens_per_generation']:.1f} | "
+                     f"{r['steps_per_generation']:.1f} | {r['identical_to_base']} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}.json and .md")
@@ -150,6 +155,8 @@ def main(argv=None) -> None:
     p.add_argument("--configs", default="vanilla,chain:2", help="comma-separated; the first is the baseline")
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="generations stop at EOS (default: EOS ignored, every generation --max-new-tokens long)")
     p.add_argument("--pairs", type=int, default=10, help="timed generations per configuration and batch size")
     p.add_argument("--prompts", type=int, default=0,
                    help="rotate over the first N prompts (pair i takes the next B of them; default: the first B)")

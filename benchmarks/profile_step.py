@@ -84,12 +84,17 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int):
         return None
     if kind == "chain":
         return {"method": "falcon", "model": drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
+    if kind == "lookup":  # lookup[:K[:F]]: prompt lookup first (n-grams 2-4, K tokens), Falcon's chain of F otherwise
+        K, _, F = arg.partition(":")
+        K = int(K or 4)
+        return {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
+                "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if kind == "tree":
         tree = arg or "tree-2x2x1"
         if tree.endswith(".json") and not os.path.isabs(tree):
             tree = os.path.join(ROOT, tree)
         return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], tree[:<tree>])")
+    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F]], tree[:<tree>])")
 
 
 def run_worker(args) -> list[dict]:

@@ -72,6 +72,11 @@ def _engine_specs(base) -> dict:
         "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
         "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
         "ctx": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
+        # prompt lookup first (n-grams 2-3, up to 4 tokens), the drafter's chain of 3 otherwise
+        "falcon_rnd_lookup": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
+        "ctx_lookup": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4, "falcon_tokens": 2,
+                               "prompt_lookup_min": 1, "prompt_lookup_max": 2}, {}),
     }
     out = {}
     for name, (target, spec, kw) in specs.items():
@@ -161,6 +166,68 @@ def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
     assert _greedy(llm, PROMPTS[:1])[0][0] == ref[tuple(PROMPTS[0])] and calls
 
 
+def _expected_lookup(hist, lo, hi, K):
+    """Brute force: the K tokens after the earliest earlier occurrence of the longest suffix n-gram (lo <= n <= hi)."""
+    for n in range(min(hi, len(hist) - 1), lo - 1, -1):
+        for j in range(len(hist) - n):
+            if hist[j:j + n] == hist[-n:]:
+                return hist[j + n:j + n + K]
+    return []
+
+
+def test_prompt_lookup_first_then_falcon(engines, ckpts):
+    """Prompt lookup first, the drafter's chain otherwise.  Each step's drafts are replayed against the
+    request's actual history (prompt + the tokens committed so far, from vanilla's output and the drafts'
+    accepted prefixes): a request whose history ends in a repeated n-gram gets exactly the brute-force lookup
+    draft, any other the drafter's chain of ``falcon_tokens``; outputs equal vanilla's at batch 1 and 6, and a
+    batch-1 step served by lookup runs no drafting pass."""
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get("falcon_rnd_lookup")
+    prop = drafter_of(llm)
+    lk = prop.lookup
+    assert lk is not None and (lk.min_n, lk.max_n, lk.falcon_tokens, prop.num_speculative_tokens) == (2, 3, 3, 4)
+    log, orig = [], lk.merge
+
+    def merge(falcon):
+        out = orig(falcon)
+        ids = [r.rsplit("-", 1)[0] for r in runner_of(llm).input_batch.req_ids]  # the user's id + a suffix
+        log.append((dict(zip(ids, out)), falcon.shape[1] == 0))
+        return out
+
+    lk.merge = merge
+    batch1 = PROMPTS[:3] + SHORT
+    try:
+        single = [_greedy(llm, [p]) for p in batch1]
+        batched = _greedy(llm, PROMPTS + SHORT)
+    finally:
+        del lk.merge
+    assert [t[0] for t, _ in single] == [ref[tuple(p)] for p in batch1]
+    assert batched[0] == [ref[tuple(p)] for p in PROMPTS + SHORT]
+    runs = [([p], t, o) for p, (t, o) in zip(batch1, single)] + [(PROMPTS + SHORT, *batched)]
+    n_lookup = n_falcon = 0
+    for batch, toks, outs in runs:
+        for p, t, o in zip(batch, toks, outs):
+            m = 1  # output tokens committed when the step drafts (the prefill step samples the first)
+            for d in [step[o.request_id] for step, _ in log if o.request_id in step]:
+                if m >= len(t):
+                    break
+                want = _expected_lookup(p + t[:m], 2, 3, 4)
+                if want:
+                    assert d == want, (p, m, d, want)
+                    n_lookup += 1
+                else:
+                    assert len(d) == 3, (p, m, d)
+                    n_falcon += 1
+                a = 0
+                while a < len(d) and m + a < len(t) and d[a] == t[m + a]:
+                    a += 1
+                m += a + 1
+    assert n_lookup > 0 and n_falcon > 0, (n_lookup, n_falcon)
+    assert any(skipped for _, skipped in log)  # batch-1 steps served by lookup alone ran no drafting pass
+
+
 @pytest.mark.parametrize("name,drafter_dir", [("falcon_rnd_k3", "rnd_lstm_k3"), ("falcon_rnd_k3_rev", "rnd_fc_k3_rev")])
 def test_drafts_match_reference_engine(engines, ckpts, name, drafter_dir):
     """vLLM's SAR drafts (relaxed block + stash + block passes) equal the reference engine's, for the
@@ -241,13 +308,13 @@ def test_short_prompts_recover_full_acceptance(engines, name, k):
         assert later and all(a == d for a, d in later), m
 
 
-def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96):
-    """Sample 12 tokens after ``n`` random prompts on the context target -> (chi-square, counts,
-    expected, spec counter delta)."""
+def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96, repeat=1):
+    """Sample 12 tokens after ``n`` random prompts (a random 6-token prompt ``repeat`` times) on the context
+    target -> (chi-square, counts, expected, spec counter delta)."""
     from vllm import SamplingParams
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(n)]
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() * repeat for _ in range(n)]
     kw = {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
     before = spec_counters(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -278,3 +345,16 @@ def test_broken_acceptance_rule_is_caught(engines, ckpts, monkeypatch):
     monkeypatch.setattr(rs, "generate_uniform_probs", lambda *a, **kw: orig(*a, **kw) * 0.1)
     chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
     assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above
+
+
+def test_sampling_is_lossless_with_prompt_lookup(engines, ckpts):
+    """Prompt lookup first, Falcon otherwise, at temperature 1: requests get drafts of different lengths (lookup
+    drafts of up to 4 tokens from their repeated prompts, the drafter's chain of 2) and the tokens still follow
+    the target's distribution."""
+    llm = engines.get("ctx_lookup")
+    lk = drafter_of(llm).lookup
+    served = lk.lookup_drafts, lk.falcon_drafts
+    chi2, counts, expected, c = _sample_chi_square(llm, ckpts, 1.0, None, None, repeat=2)
+    assert chi2 < 23.0, (counts.tolist(), expected.tolist())
+    assert lk.lookup_drafts > served[0] and lk.falcon_drafts > served[1]  # both kinds of drafts were verified
+    assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c

@@ -70,6 +70,13 @@ def test_default_tokens_and_chain_tree(dirs):
      "disagrees with tree"),
     ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 129}, "above the 128"),
     ({"method": "falcon", "model": "/nonexistent/drafter"}, "does not exist"),
+    ({"method": "falcon", "model": "{good}", "tree": "tree-2x2x1", "prompt_lookup_max": 3}, "runs in chain mode"),
+    ({"method": "falcon", "model": "{good}", "falcon_tokens": 2}, "falcon_tokens only applies with prompt lookup"),
+    ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "falcon_tokens": 4},
+     "falcon_tokens=4 is above num_speculative_tokens=3"),
+    ({"method": "falcon", "model": "{good}", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+    ({"method": "falcon", "model": "{good}", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
 ])
 def test_bad_configs_give_one_clear_error(dirs, spec, err):
     spec = {k: (v.format(**{d: str(dirs / d) for d in os.listdir(dirs)}) if isinstance(v, str) else v)
@@ -181,3 +188,30 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
     (chain / "serving.json").write_text("{not json")
     with pytest.raises(Exception, match="serving.json is not valid JSON"):
         _config(dirs, {"method": "falcon", "model": str(chain)})
+
+
+def test_prompt_lookup_options(dirs, tmp_path):
+    """prompt_lookup_min/max (vLLM's ngram options) turn on prompt lookup first, the drafter's chain otherwise; a
+    missing bound takes the other's value (as for ngram); a drafter's serving.json may recommend it, and
+    prompt_lookup_max 0 turns a recommended lookup off."""
+    import json
+
+    sc = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4,
+                        "prompt_lookup_min": 2, "prompt_lookup_max": 3, "falcon_tokens": 2}).speculative_config
+    f = sc.draft_model_config.hf_config.falcon
+    assert sc.num_speculative_tokens == 4 and f["mode"] == "chain"
+    assert f["prompt_lookup"] == [2, 3] and f["falcon_tokens"] == 2
+    f = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 3,
+                       "prompt_lookup_max": 3}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["prompt_lookup"] == [3, 3] and f["falcon_tokens"] == 3
+    chain = tmp_path / "chain"
+    shutil.copytree(dirs / "good", chain)
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 4, "falcon_tokens": 2,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+    f = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2
+    sc = _config(dirs, {"method": "falcon", "model": str(chain), "prompt_lookup_max": 0}).speculative_config
+    assert sc.num_speculative_tokens == 4 and "prompt_lookup" not in sc.draft_model_config.hf_config.falcon
+    f = _config(dirs, {"method": "falcon", "model": str(chain), "num_speculative_tokens": 2}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert "prompt_lookup" not in f  # an explicit chain replaces the whole recommendation

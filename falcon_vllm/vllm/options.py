@@ -10,6 +10,7 @@ otherwise one error lists what was tried.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,7 +23,11 @@ from falcon_vllm.tune_tree import read_tree_file
 #             file (e.g. from `falcon-vllm tune-tree`); sets K = number of nodes.  A chain runs in
 #             chain mode (vLLM's rejection sampler), any other tree in tree mode.
 #   falcon_k  the block size the drafter must have been trained with (a consistency check)
-FALCON_KEYS = {"tree", "falcon_k"}
+#   falcon_tokens  with prompt lookup: the drafter's chain length where lookup finds nothing (default K)
+# vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
+# otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
+FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens"}
+LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens")
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -81,17 +86,18 @@ def check_weights(path: str) -> None:
 SERVING_FILE = "serving.json"
 
 
-def recommended_serving(path: str) -> tuple[str | None, int | None, list | None]:
-    """(tree spec, num_speculative_tokens, chain schedule) a drafter directory recommends in ``serving.json``:
-    either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
+def recommended_serving(path: str) -> tuple[str | None, int | None, list | None, dict]:
+    """(tree spec, num_speculative_tokens, chain schedule, prompt-lookup options) a drafter directory recommends
+    in ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
     ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's ``num_speculative_tokens_per_batch_size``
-    (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off); all None when it has none."""
+    (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off) and the prompt-lookup
+    options (``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens``); None / {} when it has none."""
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
-        return None, None, None
+        return None, None, None, {}
     rec = read_tree_file(f)
     if rec.tuned:
-        return f, None, None
+        return f, None, None, {}
     n, sched = rec.num_speculative_tokens, rec.chain_schedule
     if n is not None:
         if sched is not None and not (isinstance(sched, list) and all(
@@ -100,7 +106,9 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, list | None]
             raise ValueError(f"falcon-vllm: {f}: num_speculative_tokens_per_batch_size must be a list of "
                              f"[min batch size, max batch size, K] with 0 <= K <= num_speculative_tokens ({n}), "
                              f"got {sched!r}")
-        return None, n, sched
+        with open(f) as fh:
+            data = json.load(fh)
+        return None, n, sched, {key: data[key] for key in LOOKUP_KEYS if key in data}
     raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
 
 
@@ -146,9 +154,12 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
-        tree_spec, n, chain_schedule = recommended_serving(path)
+        tree_spec, n, chain_schedule, lookup_rec = recommended_serving(path)
         if chain_schedule is not None and sc.get("num_speculative_tokens_per_batch_size") is None:
             sc["num_speculative_tokens_per_batch_size"] = chain_schedule
+        if not any(key in sc for key in LOOKUP_KEYS):
+            sc.update(lookup_rec)
+    lookup = _lookup_options(sc)  # pops the prompt-lookup keys
     tree = None
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
@@ -168,7 +179,19 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         raise ValueError(f"falcon-vllm: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that vLLM's "
                          "rejection sampler verifies per step; use a shorter chain or a tree")
     sized = _batch_size_trees(tree_spec, cfg.k, n) if tree is not None else None
-    if tree is not None and (sized or not tree.is_chain):  # a tune-tree file runs in tree mode even as a chain
+    tree_mode = tree is not None and bool(sized or not tree.is_chain)  # a tune-tree file runs in tree mode
+    if lookup is not None:
+        if tree_mode:
+            raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
+                             "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
+        lo, hi, falcon_tokens = lookup
+        falcon_tokens = n if falcon_tokens is None else falcon_tokens
+        if falcon_tokens > n:
+            raise ValueError(f"falcon-vllm: falcon_tokens={falcon_tokens} is above num_speculative_tokens={n}")
+        sc.update(method="eagle", model=path, num_speculative_tokens=n)
+        return sc, {"mode": "chain", "num_speculative_tokens": n, "prompt_lookup": [lo, hi],
+                    "falcon_tokens": falcon_tokens}
+    if tree_mode:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
         info = {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
         if sized:
@@ -178,3 +201,27 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         return sc, info
     sc.update(method="eagle", model=path, num_speculative_tokens=n)
     return sc, {"mode": "chain", "num_speculative_tokens": n}
+
+
+def _lookup_options(sc: dict) -> tuple[int, int, int | None] | None:
+    """Pop ``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens`` from ``sc`` -> (min, max, falcon_tokens)
+    or None (lookup off).  As for vLLM's ngram, a missing bound takes the other's value."""
+    lo, hi, ft = (sc.pop(key, None) for key in LOOKUP_KEYS)
+    for key, v in zip(LOOKUP_KEYS, (lo, hi, ft)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"falcon-vllm: {key} must be an integer >= 1, got {v!r}")
+    if hi == 0:  # explicitly off (e.g. over a drafter's recommended configuration)
+        if ft is not None:
+            raise ValueError("falcon-vllm: falcon_tokens only applies with prompt lookup (prompt_lookup_max >= 1)")
+        return None
+    if lo is None and hi is None:
+        if ft is not None:
+            raise ValueError("falcon-vllm: falcon_tokens only applies with prompt lookup: give prompt_lookup_max "
+                             "(the longest n-gram looked up), or use num_speculative_tokens for the drafter's chain")
+        return None
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    if lo < 1 or lo > hi:
+        raise ValueError(f"falcon-vllm: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+    if ft is not None and ft < 1:
+        raise ValueError(f"falcon-vllm: falcon_tokens must be an integer >= 1, got {ft!r}")
+    return lo, hi, ft

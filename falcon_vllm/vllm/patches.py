@@ -102,14 +102,16 @@ READS = (
      "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"), "fields"),
     ("vllm.engine.arg_utils:EngineArgs", ("speculative_config",), "fields"),
     ("vllm.engine.arg_utils:AsyncEngineArgs", ("add_cli_args", "from_cli_args"), "methods"),
+    ("vllm.v1.spec_decode.ngram_proposer", ("_find_longest_matched_ngram_and_propose_tokens",), "methods"),
 )
 # the EAGLE proposer's propose(): FalconProposer overrides it with the same parameters
 PROPOSE_PARAMS = ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
                   "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
                   "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")
 RUNNER_ATTRS = ("drafter", "requests", "input_batch", "input_ids", "positions", "sampler", "device", "vllm_config",
-                "discard_request_mask", "execute_model_state")
-INPUT_BATCH_ATTRS = ("req_ids", "block_table", "sampling_metadata", "num_reqs", "update_async_output_token_ids")
+                "discard_request_mask", "execute_model_state", "max_model_len")
+INPUT_BATCH_ATTRS = ("req_ids", "block_table", "sampling_metadata", "num_reqs", "update_async_output_token_ids",
+                     "token_ids_cpu", "num_tokens_no_spec")
 IMPL_ATTRS = ("scale", "head_size", "sliding_window", "logits_soft_cap", "alibi_slopes", "kv_cache_dtype",
               "attn_type", "kv_sharing_target_layer_name")
 

@@ -41,7 +41,8 @@ from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm import patches, tree_verify
+from falcon_vllm.vllm import lookup, patches, tree_verify
+from falcon_vllm.vllm.lookup import LookupState
 from falcon_vllm.vllm.paged_kv import tree_attention_scope
 from falcon_vllm.vllm.stash import BlockInputStash
 from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
@@ -81,8 +82,17 @@ class FalconProposer(EagleProposer):
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         self.tree_state: TreeState | None = None  # tree mode's state (tree_draft.TreeState)
+        self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
         if not self.falcon:
             return
+        if self.falcon.get("prompt_lookup"):
+            if vllm_config.scheduler_config.async_scheduling:
+                raise ValueError("falcon-vllm: prompt_lookup_max (prompt lookup first, Falcon otherwise) gives requests "
+                                 "drafts of different lengths, which vLLM's async scheduler cannot take: run with "
+                                 "--no-async-scheduling")
+            lo, hi = self.falcon["prompt_lookup"]
+            self.lookup = LookupState(lo, hi, int(self.falcon.get("falcon_tokens") or self.num_speculative_tokens))
+            lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
             mode = vllm_config.compilation_config.cudagraph_mode
@@ -127,6 +137,8 @@ class FalconProposer(EagleProposer):
                                    num_rejected_tokens_gpu, slot_mappings)
         K, k = num_speculative_tokens, self.k
         self.num_speculative_tokens = K
+        if self.lookup is not None:  # the drafter's chain where prompt lookup finds nothing
+            K = min(K, self.lookup.falcon_tokens)
         self._last_draft_probs = None  # greedy drafts: one-hot proposals for the rejection sampler
         B = common_attn_metadata.batch_size()
         if K == 0:
@@ -149,6 +161,8 @@ class FalconProposer(EagleProposer):
                        hidden_states=self.hidden_states[:num_tokens])
 
         ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
+        if self.lookup is not None and self.lookup.all_matched:
+            return torch.empty(B, 0, dtype=torch.int64, device=self.device)  # every request has a lookup draft
         self.steps += 1
 
         # pass 1: the relaxed block -> draft tokens 1..k

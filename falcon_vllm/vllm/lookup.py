@@ -1,0 +1,92 @@
+"""Prompt lookup first, Falcon otherwise (chain mode, ``prompt_lookup_max`` in the speculative config).
+
+Each step, for each request, vLLM's own n-gram matcher (the function behind ``method: "ngram"``)
+looks for the longest suffix of the request's tokens, between ``prompt_lookup_min`` and
+``prompt_lookup_max`` tokens long, that occurred earlier in its prompt or output, and proposes up to
+``num_speculative_tokens`` tokens that followed it.  A request with a match gets those drafts; a request
+without one gets the Falcon drafter's chain of ``falcon_tokens`` tokens.  The two are complementary:
+a lookup draft is free and long but exists only where text repeats (code, quotations, a model's own
+loops); the drafter drafts everywhere, a few tokens at a time.
+
+Verification is unchanged (vLLM's rejection sampler on one-hot proposals), so outputs are exactly
+vanilla vLLM's whatever is drafted.  Drafts become per-request lists of different lengths, as vLLM's
+ngram method returns them; that needs vLLM's synchronous scheduler (the CPU platform always runs it;
+on GPU the proposer refuses to start with async scheduling).
+
+The drafter's own KV cache must still cover every verified token, so the drafter's chunk pass runs
+every step; only the drafting passes are skipped when every request of the step has a lookup draft.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray, use: np.ndarray,
+                  min_n: int, max_n: int, k: int, max_model_len: int) -> list[list[int]]:
+    """Per request i (``use[i]``): the lookup draft after its history, else [].
+
+    The history of request i is ``token_ids_cpu[i, :num_tokens[i]]`` (committed before this step)
+    followed by this step's sampled tokens ``sampled[i]`` that are not placeholders (< 0).
+    """
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+
+    out = []
+    for i in range(len(use)):
+        if not use[i]:
+            out.append([])
+            continue
+        new = sampled[i][sampled[i] >= 0]
+        hist = np.concatenate([token_ids_cpu[i, :num_tokens[i]], new.astype(token_ids_cpu.dtype)])
+        out.append(find(hist, min_n, max_n, max_model_len, k).tolist())
+    return out
+
+
+def warm_up() -> None:
+    """Compile vLLM's n-gram matcher (numba) before the first request."""
+    lookup_drafts(np.arange(8, dtype=np.int32)[None].repeat(2, 0) % 3, np.array([8, 8]),
+                  np.array([[1], [-1]]), np.array([True, True]), 2, 3, 2, 64)
+
+
+class LookupState:
+    """What one runner step's lookup decided (set by the runner hook, read by the proposer)."""
+
+    def __init__(self, min_n: int, max_n: int, falcon_tokens: int):
+        self.min_n, self.max_n, self.falcon_tokens = min_n, max_n, falcon_tokens
+        self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
+        self.steps = 0           # steps with drafting
+        self.lookup_drafts = 0   # requests x steps served by a lookup draft
+        self.falcon_drafts = 0   # requests x steps served by the drafter
+
+    def plan(self, runner, sampled_token_ids, k: int) -> None:
+        """Look up every decoding request of the step (``k``: the step's draft budget)."""
+        batch = runner.input_batch
+        B = batch.num_reqs
+        sampled = sampled_token_ids.cpu().numpy() if torch.is_tensor(sampled_token_ids) else _pad(sampled_token_ids)
+        discard = runner.discard_request_mask.np[:B]  # partial prefills: their sampled token is dropped
+        self.drafts = lookup_drafts(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:B], ~discard,
+                                    self.min_n, self.max_n, k, runner.max_model_len)
+
+    def merge(self, falcon: torch.Tensor) -> list[list[int]]:
+        """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K])."""
+        rows = falcon.tolist()
+        out = [d if d else rows[i] for i, d in enumerate(self.drafts)]
+        n = sum(1 for d in self.drafts if d)
+        self.steps += 1
+        self.lookup_drafts += n
+        self.falcon_drafts += len(out) - n
+        self.drafts = None
+        return out
+
+    @property
+    def all_matched(self) -> bool:
+        return self.drafts is not None and len(self.drafts) > 0 and all(self.drafts)
+
+
+def _pad(lists) -> np.ndarray:
+    width = max((len(x) for x in lists), default=1) or 1
+    out = np.full((len(lists), width), -1, dtype=np.int64)
+    for i, x in enumerate(lists):
+        out[i, :len(x)] = x
+    return out
