@@ -64,6 +64,7 @@ def _engine_specs(base) -> dict:
         "vanilla_rnd": ("rnd", None, {}),
         "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
         "falcon_rnd_k3_rev": ("rnd", {"model": "rnd_fc_k3_rev", "num_speculative_tokens": 5}, {}),
+        "falcon_rnd_fc2": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4}, {}),
         "falcon_rnd_fc2_unpadded": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4,
                                             "disable_padded_drafter_batch": True}, {}),
         # vLLM's dynamic speculation: K=3 up to batch 3, no drafts from batch 4
@@ -226,6 +227,31 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts):
                 m += a + 1
     assert n_lookup > 0 and n_falcon > 0, (n_lookup, n_falcon)
     assert any(skipped for _, skipped in log)  # batch-1 steps served by lookup alone ran no drafting pass
+
+
+@pytest.mark.parametrize("name", ["falcon_rnd_fc2", "falcon_rnd_fc2_unpadded"])
+def test_fused_chunk_pass_equals_two_passes(engines, ckpts, name):
+    """On CPU the chunk pass and the relaxed block run as one drafter pass (per-request causal flags); with a
+    2-layer drafter (whose block sees the chunk's layer-1 K/V, which depends on the chunk's causal mask) every
+    step's drafts equal those of the two separate passes, padded and unpadded drafter batches alike."""
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get(name)
+    prop = drafter_of(llm)
+    assert prop.fuse_chunk  # the CPU platform
+    drafts = {}
+    for fused in (True, False):
+        prop.fuse_chunk = fused
+        log = _record_drafts(prop)
+        try:
+            tokens, outs = _greedy(llm, PROMPTS + SHORT, n=24)
+        finally:
+            del prop.propose
+            prop.fuse_chunk = True
+        assert tokens == [ref[tuple(p)][:24] for p in PROMPTS + SHORT]
+        drafts[fused] = [[step[o.request_id] for step in log if o.request_id in step] for o in outs]
+    assert drafts[True] == drafts[False] and sum(map(len, drafts[True])) > 40
 
 
 @pytest.mark.parametrize("name,drafter_dir", [("falcon_rnd_k3", "rnd_lstm_k3"), ("falcon_rnd_k3_rev", "rnd_fc_k3_rev")])

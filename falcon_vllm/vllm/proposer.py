@@ -38,6 +38,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from falcon_vllm.tree import DecodingTree
@@ -105,6 +106,9 @@ class FalconProposer(EagleProposer):
         if self.uses_mrope:
             raise NotImplementedError("falcon-vllm: targets with M-RoPE positions are not supported")
         self._runner = runner  # its input batch gives the request ids (for the stash)
+        # chunk pass + relaxed block in one drafter pass: needs per-request causal flags, which vLLM's CPU
+        # attention implements (its FlashAttention only from FA4): elsewhere the two passes run separately
+        self.fuse_chunk = current_platform.is_cpu()
         self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
                                       ids_dtype=self.input_ids.dtype)
         if self.tree is not None:
@@ -147,26 +151,32 @@ class FalconProposer(EagleProposer):
             # lowers acceptance for a while if drafting resumes at a smaller batch.
             return torch.empty(B, 0, dtype=torch.int64, device=self.device)
 
-        # chunk pass: stock causal EAGLE pass over every verified token (writes the drafter KV)
+        # the step's chunk: every token the target just verified, as vLLM's EAGLE lays it out
         num_tokens, last, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids, next_token_ids=next_token_ids,
             target_positions=target_positions, target_hidden_states=target_hidden_states,
             token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
-        _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
-        with set_forward_context(per_layer, self.vllm_config, num_tokens=num_tokens,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(num_tokens, cad.slot_mapping)):
-            self.model(input_ids=self.input_ids[:num_tokens], positions=self._get_positions(num_tokens),
-                       hidden_states=self.hidden_states[:num_tokens])
-
         ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
-        if self.lookup is not None and self.lookup.all_matched:
-            return torch.empty(B, 0, dtype=torch.int64, device=self.device)  # every request has a lookup draft
+        drafting = self.lookup is None or not self.lookup.all_matched  # else every request has a lookup draft
+        if self.fuse_chunk and num_tokens + B * k <= self.input_ids.shape[0]:
+            # chunk pass and pass 1 (the relaxed block -> draft tokens 1..k) in one drafter pass
+            rows = self._fused_pass(cad, num_tokens, last.long(), ids, feats, positions, known)
+            self.passes += drafting
+        else:
+            # chunk pass: stock causal EAGLE pass over every verified token (writes the drafter KV)
+            _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
+            with set_forward_context(per_layer, self.vllm_config, num_tokens=num_tokens,
+                                     cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                     slot_mapping=self._get_slot_mapping(num_tokens, cad.slot_mapping)):
+                self.model(input_ids=self.input_ids[:num_tokens], positions=self._get_positions(num_tokens),
+                           hidden_states=self.hidden_states[:num_tokens])
+            rows = None
+        if not drafting:
+            return torch.empty(B, 0, dtype=torch.int64, device=self.device)
         self.steps += 1
-
-        # pass 1: the relaxed block -> draft tokens 1..k
-        rows = self._block_pass(cad, ids, feats, positions, writes=known, extra_len=0)  # [B, k, H]
+        if rows is None:  # pass 1: the relaxed block -> draft tokens 1..k
+            rows = self._block_pass(cad, ids, feats, positions, writes=known, extra_len=0)  # [B, k, H]
         if self.tree is not None:
             return self._draft_tree(cad, rows, positions, K)
         drafted = [self._argmax(rows)]
@@ -288,6 +298,54 @@ class FalconProposer(EagleProposer):
                                 hidden_states=self.hidden_states[:n])
         self.passes += 1
         out = out[:n].view(B, k, -1)
+        return out.flip(1) if self.reversed_blocks else out
+
+    def _fused_pass(self, cad, num_tokens: int, last: torch.Tensor, ids, feats, positions, known) -> torch.Tensor:
+        """The chunk pass and the relaxed block in one drafter pass; returns the blocks' outputs [B, k, H].
+
+        Two query groups per request in one attention call, told apart by vLLM's per-request causal flags
+        (``CommonAttentionMetadata.causal`` as a tensor; the CPU attention backend implements them): the B
+        chunks exactly as the chunk pass lays them out (causal; they write the drafter KV of the verified
+        tokens), then the B relaxed blocks (non-causal, k rows each).  Within a layer every row's K/V is
+        written before any row attends, so a block sees its chunk's rows as the separate passes did.  Chunk
+        rows that fall inside their request's relaxed block (and rejected rows after it) write no K/V here:
+        the block writes those positions, and one slot is never written twice in one pass.  The drafter's
+        weights are read once per step instead of twice; the outputs equal the two passes'.
+        """
+        B, k = ids.shape
+        n = num_tokens + B * k
+        dev = ids.device
+        row = torch.arange(num_tokens, device=dev)
+        req = torch.searchsorted(cad.query_start_loc[1:B + 1].long(), row, right=True).clamp(max=B - 1)
+        before_block = row <= last[req] - k
+        chunk_slots = torch.where(before_block, cad.slot_mapping[:num_tokens].long(), PADDING_SLOT_ID)
+        block_slots = torch.where(known.reshape(-1), self._slots(cad.block_table_tensor, positions), PADDING_SLOT_ID)
+        slot_mapping = torch.cat([chunk_slots, block_slots])
+        qsl_cpu = torch.cat([cad.query_start_loc_cpu[:B + 1].to(torch.int32),
+                             num_tokens + k * torch.arange(1, B + 1, dtype=torch.int32)])
+        seq_lens = cad.seq_lens[:B]
+        seq_lens = torch.cat([seq_lens, (positions[:, -1] + 1).clamp(1, self.max_model_len).to(seq_lens.dtype)])
+        causal = torch.cat([torch.ones(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32)]).to(dev)
+        flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
+        upper = cad.seq_lens_cpu_upper_bound
+        table = cad.block_table_tensor[:B]
+        fused = cad.replace(
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True), query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
+            num_reqs=2 * B, num_actual_tokens=n, max_query_len=max(cad.max_query_len, k),
+            block_table_tensor=torch.cat([table, table]), slot_mapping=slot_mapping, causal=causal,
+            seq_lens_cpu_upper_bound=None if upper is None else torch.cat([upper[:B], upper[:B]]),
+            positions=None if cad.positions is None else torch.cat([cad.positions[:num_tokens], flat_pos]),
+            _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(fused)
+        self.input_ids[num_tokens:n] = ids.reshape(-1).to(self.input_ids.dtype)
+        self.positions[num_tokens:n] = flat_pos.to(self.positions.dtype)
+        self.hidden_states[num_tokens:n] = feats.reshape(B * k, -1)
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(n, slot_mapping)):
+            out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
+                                hidden_states=self.hidden_states[:n])
+        out = out[num_tokens:n].view(B, k, -1)
         return out.flip(1) if self.reversed_blocks else out
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
