@@ -5,6 +5,9 @@ Methods (``--methods``, comma separated; engines run one at a time, each freed b
   vanilla            vLLM, no speculation: the baseline of every vLLM row on the same target
   falcon-chain       vLLM, ``{"method": "falcon"}`` with the Falcon drafter (--drafter), chain of
                      K = --num-spec-tokens tokens drafted in ceil(K/k) drafter passes
+  falcon-lookup      vLLM, ``{"method": "falcon", ...}`` with prompt lookup first: a request whose tokens end
+                     in a repeated n-gram (--ngram-min..--ngram-max) gets up to --ngram-spec-tokens looked-up
+                     tokens, any other the drafter's chain of --num-spec-tokens
   falcon-tree[:<tree>]  vLLM, ``{"method": "falcon", "tree": <tree>}``: tree mode (preset name or a
                      tune-tree file; default --tree), verified in one target pass under the ancestor mask
   eagle              vLLM's built-in ``{"method": "eagle"}`` with the EAGLE baseline drafter
@@ -79,7 +82,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRAFTERS = os.path.normpath(os.path.join(HERE, "..", "falcon_vllm", "drafters"))
-VLLM_METHODS = ("vanilla", "falcon-chain", "falcon-tree", "eagle", "ngram", "draft-model")
+VLLM_METHODS = ("vanilla", "falcon-chain", "falcon-lookup", "falcon-tree", "eagle", "ngram", "draft-model")
 REF_METHODS = ("ref-vanilla", "ref-falcon-chain", "ref-falcon-tree")
 DRAFT_MODEL_TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT_MODEL_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -230,6 +233,15 @@ class VllmRunner:
                 raise Skip(f"no Falcon drafter at {a.drafter!r} (config.json missing)")
             self.drafter, self.num_spec_tokens = a.drafter, a.num_spec_tokens
             self.spec = {"method": "falcon", "model": a.drafter, "num_speculative_tokens": a.num_spec_tokens}
+        elif method == "falcon-lookup":
+            self._plugin_check()
+            if not _has_config(a.drafter):
+                raise Skip(f"no Falcon drafter at {a.drafter!r} (config.json missing)")
+            K = max(a.ngram_spec_tokens, a.num_spec_tokens)
+            self.drafter, self.num_spec_tokens = a.drafter, K
+            self.spec = {"method": "falcon", "model": a.drafter, "num_speculative_tokens": K,
+                         "falcon_tokens": a.num_spec_tokens, "prompt_lookup_min": a.ngram_min,
+                         "prompt_lookup_max": a.ngram_max}
         elif method.partition(":")[0] == "falcon-tree":
             self._plugin_check()
             if not _has_config(a.drafter):

@@ -12,7 +12,8 @@ touched, and the one helper that installs a wrapper, are in :mod:`falcon_vllm.vl
    ``method == "eagle"``): :class:`falcon_vllm.vllm.proposer.FalconProposer`, which delegates to
    stock EAGLE unless the draft config is Falcon's.
 
-5. The no-drafts fast path (``GPUModelRunner.propose_draft_token_ids``), and tree mode's runner
+5. The no-drafts fast path and prompt lookup first (``GPUModelRunner.propose_draft_token_ids``:
+   :mod:`falcon_vllm.vllm.lookup`), and tree mode's runner
    and attention hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.vllm.paged_kv`).
 
 ``install()`` first checks that every internal the plugin relies on is still where it expects

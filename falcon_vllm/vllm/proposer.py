@@ -15,6 +15,13 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
   k-1 rows (:mod:`falcon_vllm.vllm.stash`).  Rows whose inputs are unknown (a context shorter
   than k, a prefix-cache hit, an evicted stash entry) still run as queries but write no KV (slot
   -1), so the genuine KV at their positions stays; only their own draft tokens are worse.
+* On CPU the chunk pass and pass 1 run as one drafter pass (:meth:`FalconProposer._fused_pass`: vLLM's
+  per-request causal flags tell the causal chunks from the non-causal blocks), so a step reads the
+  drafter's weights once; elsewhere (FlashAttention takes per-request causal flags only from FA4) they
+  run as two passes.  Both give the same drafts.
+* prompt lookup (``prompt_lookup_max``, :mod:`falcon_vllm.vllm.lookup`): a request whose tokens end in a
+  repeated n-gram gets vLLM's n-gram draft instead; the drafter's chain covers the others, and when every
+  request of a step has a lookup draft only the chunk's K/V is written.
 * passes 2..: one k-token block per request at positions ``p+1+k(q-1) ..``, whose input tokens
   are the previous block's k drafted tokens and whose input features are the previous block's k
   outputs, attending to the paged prefix, the earlier blocks and (non-causally) itself.
