@@ -73,8 +73,14 @@ def main(args):
         if spec is not None:
             sc = llm.llm_engine.vllm_config.speculative_config
             falcon_info = sc.draft_model_config.hf_config.falcon
-            how = (f"tree {falcon_info.get('tree_name')} ({sc.num_speculative_tokens} nodes)"
-                   if falcon_info.get("mode") == "tree" else f"chain K={sc.num_speculative_tokens}")
+            if falcon_info.get("mode") == "tree":
+                how = f"tree {falcon_info.get('tree_name')} ({sc.num_speculative_tokens} nodes)"
+            elif falcon_info.get("prompt_lookup"):
+                lo, hi = falcon_info["prompt_lookup"]
+                how = (f"prompt lookup ({lo}-{hi}-grams, up to {sc.num_speculative_tokens} tokens) first, "
+                       f"the drafter's chain of {falcon_info['falcon_tokens']} otherwise")
+            else:
+                how = f"chain K={sc.num_speculative_tokens}"
         n = sum(len(o.token_ids) for o in outs)
         drafts, acc = c["num_drafts"], c["num_accepted_tokens"]
         results[name] = {"outs": outs, "tps": n / dt, "tau": 1 + acc / drafts if drafts else None}
