@@ -76,6 +76,9 @@ def _engine_specs(base) -> dict:
         # prompt lookup first (n-grams 2-3, up to 4 tokens), the drafter's chain of 3 otherwise
         "falcon_rnd_lookup": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
+        "falcon_rnd_lookup_unpadded": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4,
+                                               "falcon_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+                                               "disable_padded_drafter_batch": True}, {}),
         "ctx_lookup": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}, {}),
     }
@@ -176,16 +179,18 @@ def _expected_lookup(hist, lo, hi, K):
     return []
 
 
-def test_prompt_lookup_first_then_falcon(engines, ckpts):
+@pytest.mark.parametrize("name", ["falcon_rnd_lookup", "falcon_rnd_lookup_unpadded"])
+def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     """Prompt lookup first, the drafter's chain otherwise.  Each step's drafts are replayed against the
     request's actual history (prompt + the tokens committed so far, from vanilla's output and the drafts'
     accepted prefixes): a request whose history ends in a repeated n-gram gets exactly the brute-force lookup
     draft, any other the drafter's chain of ``falcon_tokens``; outputs equal vanilla's at batch 1 and 6, and a
-    batch-1 step served by lookup runs no drafting pass."""
+    batch-1 step served by lookup runs no drafting pass.  Padded drafter batches (vLLM drafts before its
+    bookkeeping) and unpadded ones (after it) alike."""
     ref = ckpts.get("vanilla")
     if ref is None:
         pytest.skip("needs test_vanilla_reference")
-    llm = engines.get("falcon_rnd_lookup")
+    llm = engines.get(name)
     prop = drafter_of(llm)
     lk = prop.lookup
     assert lk is not None and (lk.min_n, lk.max_n, lk.falcon_tokens, prop.num_speculative_tokens) == (2, 3, 3, 4)

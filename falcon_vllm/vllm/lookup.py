@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 
-def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray, use: np.ndarray,
+def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray | None, use: np.ndarray,
                   min_n: int, max_n: int, k: int, max_model_len: int) -> list[list[int]]:
     """Per request i (``use[i]``): the lookup draft after its history, else [].
 
-    The history of request i is ``token_ids_cpu[i, :num_tokens[i]]`` (committed before this step)
-    followed by this step's sampled tokens ``sampled[i]`` that are not placeholders (< 0).
+    The history of request i is ``token_ids_cpu[i, :num_tokens[i]]`` followed by this step's sampled
+    tokens ``sampled[i]`` that are not placeholders (< 0); ``sampled`` None: the history already holds them.
     """
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
 
@@ -37,8 +37,10 @@ def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np
         if not use[i]:
             out.append([])
             continue
-        new = sampled[i][sampled[i] >= 0]
-        hist = np.concatenate([token_ids_cpu[i, :num_tokens[i]], new.astype(token_ids_cpu.dtype)])
+        hist = token_ids_cpu[i, :num_tokens[i]]
+        if sampled is not None:
+            new = sampled[i][sampled[i] >= 0]
+            hist = np.concatenate([hist, new.astype(token_ids_cpu.dtype)])
         out.append(find(hist, min_n, max_n, max_model_len, k).tolist())
     return out
 
@@ -63,9 +65,11 @@ class LookupState:
         """Look up every decoding request of the step (``k``: the step's draft budget)."""
         batch = runner.input_batch
         B = batch.num_reqs
-        sampled = sampled_token_ids.cpu().numpy() if torch.is_tensor(sampled_token_ids) else _pad(sampled_token_ids)
         discard = runner.discard_request_mask.np[:B]  # partial prefills: their sampled token is dropped
-        self.drafts = lookup_drafts(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:B], ~discard,
+        # vLLM drafts for EAGLE before its bookkeeping, from the sampler's tensor (placeholders < 0); with
+        # disable_padded_drafter_batch it drafts after it, from lists already appended to token_ids_cpu
+        sampled = sampled_token_ids.cpu().numpy()[:B] if torch.is_tensor(sampled_token_ids) else None
+        self.drafts = lookup_drafts(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled, ~discard,
                                     self.min_n, self.max_n, k, runner.max_model_len)
 
     def merge(self, falcon: torch.Tensor) -> list[list[int]]:
@@ -83,10 +87,3 @@ class LookupState:
     def all_matched(self) -> bool:
         return self.drafts is not None and len(self.drafts) > 0 and all(self.drafts)
 
-
-def _pad(lists) -> np.ndarray:
-    width = max((len(x) for x in lists), default=1) or 1
-    out = np.full((len(lists), width), -1, dtype=np.int64)
-    for i, x in enumerate(lists):
-        out[i, :len(x)] = x
-    return out
