@@ -161,14 +161,12 @@ def _propose_draft_token_ids(orig):
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafter = falcon_proposer(self)
-        if drafter is None:
-            return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         K = scheduler_output.num_spec_tokens_to_schedule
-        if K != 0 and drafter.lookup is not None:  # prompt lookup first, the drafter's chain otherwise
+        if drafter is None or K != 0 and drafter.lookup is None:
+            return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        if K != 0:  # prompt lookup first, the drafter's chain otherwise
             drafter.lookup.plan(self, sampled_token_ids, K)
             return drafter.lookup.merge(orig(self, scheduler_output, sampled_token_ids, *args, **kwargs))
-        if K != 0:
-            return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):
             next_ids, counts = drafter.prepare_next_token_ids_padded(
                 sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)

@@ -57,7 +57,6 @@ class LookupState:
     def __init__(self, min_n: int, max_n: int, falcon_tokens: int):
         self.min_n, self.max_n, self.falcon_tokens = min_n, max_n, falcon_tokens
         self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
-        self.steps = 0           # steps with drafting
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
         self.falcon_drafts = 0   # requests x steps served by the drafter
 
@@ -77,7 +76,6 @@ class LookupState:
         rows = falcon.tolist()
         out = [d if d else rows[i] for i, d in enumerate(self.drafts)]
         n = sum(1 for d in self.drafts if d)
-        self.steps += 1
         self.lookup_drafts += n
         self.falcon_drafts += len(out) - n
         self.drafts = None

@@ -10,13 +10,12 @@ otherwise one error lists what was tried.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.tree import build_tree
-from falcon_vllm.tune_tree import read_tree_file
+from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
 
 # Falcon-only options, removed before vLLM validates the rest:
 #   tree      a preset name ("falcon-llama", "chain-6", "tree-4x2x1"), a list of rank paths or a JSON
@@ -27,7 +26,6 @@ from falcon_vllm.tune_tree import read_tree_file
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
 FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens"}
-LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens")
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -106,9 +104,7 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, list | None,
             raise ValueError(f"falcon-vllm: {f}: num_speculative_tokens_per_batch_size must be a list of "
                              f"[min batch size, max batch size, K] with 0 <= K <= num_speculative_tokens ({n}), "
                              f"got {sched!r}")
-        with open(f) as fh:
-            data = json.load(fh)
-        return None, n, sched, {key: data[key] for key in LOOKUP_KEYS if key in data}
+        return None, n, sched, rec.lookup
     raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
 
 
@@ -180,17 +176,9 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                          "rejection sampler verifies per step; use a shorter chain or a tree")
     sized = _batch_size_trees(tree_spec, cfg.k, n) if tree is not None else None
     tree_mode = tree is not None and bool(sized or not tree.is_chain)  # a tune-tree file runs in tree mode
-    if lookup is not None:
-        if tree_mode:
-            raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
-                             "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
-        lo, hi, falcon_tokens = lookup
-        falcon_tokens = n if falcon_tokens is None else falcon_tokens
-        if falcon_tokens > n:
-            raise ValueError(f"falcon-vllm: falcon_tokens={falcon_tokens} is above num_speculative_tokens={n}")
-        sc.update(method="eagle", model=path, num_speculative_tokens=n)
-        return sc, {"mode": "chain", "num_speculative_tokens": n, "prompt_lookup": [lo, hi],
-                    "falcon_tokens": falcon_tokens}
+    if lookup is not None and tree_mode:
+        raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
+                         "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
     if tree_mode:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
         info = {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
@@ -200,7 +188,14 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                 sc["num_speculative_tokens_per_batch_size"] = schedule
         return sc, info
     sc.update(method="eagle", model=path, num_speculative_tokens=n)
-    return sc, {"mode": "chain", "num_speculative_tokens": n}
+    info = {"mode": "chain", "num_speculative_tokens": n}
+    if lookup is not None:
+        lo, hi, falcon_tokens = lookup
+        falcon_tokens = n if falcon_tokens is None else falcon_tokens
+        if falcon_tokens > n:
+            raise ValueError(f"falcon-vllm: falcon_tokens={falcon_tokens} is above num_speculative_tokens={n}")
+        info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens)
+    return sc, info
 
 
 def _lookup_options(sc: dict) -> tuple[int, int, int | None] | None:

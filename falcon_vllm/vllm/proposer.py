@@ -99,7 +99,7 @@ class FalconProposer(EagleProposer):
                                  "drafts of different lengths, which vLLM's async scheduler cannot take: run with "
                                  "--no-async-scheduling")
             lo, hi = self.falcon["prompt_lookup"]
-            self.lookup = LookupState(lo, hi, int(self.falcon.get("falcon_tokens") or self.num_speculative_tokens))
+            self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"])
             lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
@@ -172,12 +172,7 @@ class FalconProposer(EagleProposer):
             self.passes += drafting
         else:
             # chunk pass: stock causal EAGLE pass over every verified token (writes the drafter KV)
-            _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
-            with set_forward_context(per_layer, self.vllm_config, num_tokens=num_tokens,
-                                     cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                     slot_mapping=self._get_slot_mapping(num_tokens, cad.slot_mapping)):
-                self.model(input_ids=self.input_ids[:num_tokens], positions=self._get_positions(num_tokens),
-                           hidden_states=self.hidden_states[:num_tokens])
+            self._forward(self.build_per_group_and_layer_attn_metadata(cad)[1], num_tokens, cad.slot_mapping)
             rows = None
         if not drafting:
             return torch.empty(B, 0, dtype=torch.int64, device=self.device)
@@ -229,9 +224,7 @@ class FalconProposer(EagleProposer):
         NB, k = ids.shape
         n = NB * k
         flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
-        self.input_ids[:n] = ids.reshape(-1).to(self.input_ids.dtype)
-        self.positions[:n] = flat_pos.to(self.positions.dtype)
-        self.hidden_states[:n] = feats.reshape(n, -1)
+        self._set_rows(0, ids, feats, flat_pos)
         per_layer = {name: None for name in self._draft_attn_layer_names}
         with tree_attention_scope(attn), set_forward_context(per_layer, self.vllm_config, num_tokens=n,
                                                              cudagraph_runtime_mode=CUDAGraphMode.NONE,
@@ -295,14 +288,8 @@ class FalconProposer(EagleProposer):
             positions=None if cad.positions is None else flat_pos,
             _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(blk_cad, draft_index=1)
-        self.input_ids[:n] = ids.reshape(-1).to(self.input_ids.dtype)
-        self.positions[:n] = flat_pos.to(self.positions.dtype)
-        self.hidden_states[:n] = feats.reshape(n, -1)
-        with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(n, slot_mapping)):
-            out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
-                                hidden_states=self.hidden_states[:n])
+        self._set_rows(0, ids, feats, flat_pos)
+        out = self._forward(per_layer, n, slot_mapping)
         self.passes += 1
         out = out[:n].view(B, k, -1)
         return out.flip(1) if self.reversed_blocks else out
@@ -344,16 +331,24 @@ class FalconProposer(EagleProposer):
             positions=None if cad.positions is None else torch.cat([cad.positions[:num_tokens], flat_pos]),
             _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(fused)
-        self.input_ids[num_tokens:n] = ids.reshape(-1).to(self.input_ids.dtype)
-        self.positions[num_tokens:n] = flat_pos.to(self.positions.dtype)
-        self.hidden_states[num_tokens:n] = feats.reshape(B * k, -1)
-        with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(n, slot_mapping)):
-            out, _ = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
-                                hidden_states=self.hidden_states[:n])
-        out = out[num_tokens:n].view(B, k, -1)
+        self._set_rows(num_tokens, ids, feats, flat_pos)
+        out = self._forward(per_layer, n, slot_mapping)[num_tokens:n].view(B, k, -1)
         return out.flip(1) if self.reversed_blocks else out
+
+    def _set_rows(self, start: int, ids, feats, flat_pos) -> None:
+        """Write block rows (ids [B, k], feats [B, k, H], flat positions) into the drafter's input buffers at ``start``."""
+        n = ids.numel()
+        self.input_ids[start:start + n] = ids.reshape(-1).to(self.input_ids.dtype)
+        self.positions[start:start + n] = flat_pos.to(self.positions.dtype)
+        self.hidden_states[start:start + n] = feats.reshape(n, -1)
+
+    def _forward(self, per_layer, n: int, slot_mapping) -> torch.Tensor:
+        """The drafter over the first ``n`` rows of its input buffers (eager), writing K/V at ``slot_mapping``."""
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(n, slot_mapping)):
+            out, _ = self.model(input_ids=self.input_ids[:n], positions=self._get_positions(n),
+                                hidden_states=self.hidden_states[:n])
+        return out
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """positions [B, T] -> flat KV slots [B*T] (PADDING for positions outside [0, max_model_len))."""
