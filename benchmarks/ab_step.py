@@ -12,8 +12,8 @@ median of those ratios is reported with its spread.  The outputs are checked aga
   python benchmarks/ab_step.py --configs vanilla,tree:benchmarks/results/tree_smollm2_v2_tuned.json \\
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
 
-Configurations as in profile_step.py: vanilla, chain[:K], lookup[:K[:F]] (prompt lookup of up to K tokens first,
-Falcon's chain of F otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
+Configurations as in profile_step.py: vanilla, chain[:K], lookup[:K[:F[:L]]] (prompt lookup of up to K tokens
+first, adaptive from L tokens when given; Falcon's chain of F otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
 (vLLM's EAGLE, --eagle-drafter), ngram[:K], and falcon (the drafter's serving.json decides); a suffix
 ``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``).
 """

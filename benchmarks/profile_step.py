@@ -84,17 +84,19 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int):
         return None
     if kind == "chain":
         return {"method": "falcon", "model": drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
-    if kind == "lookup":  # lookup[:K[:F]]: prompt lookup first (n-grams 2-4, K tokens), Falcon's chain of F otherwise
-        K, _, F = arg.partition(":")
+    if kind == "lookup":  # lookup[:K[:F[:L]]]: prompt lookup first (n-grams 2-4, up to K tokens; adaptive from L
+        # tokens when L < K), Falcon's chain of F otherwise
+        K, F, L = (arg.split(":") + ["", "", ""])[:3]
         K = int(K or 4)
-        return {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
+        spec = {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        return dict(spec, lookup_tokens=int(L)) if L else spec
     if kind == "tree":
         tree = arg or "tree-2x2x1"
         if tree.endswith(".json") and not os.path.isabs(tree):
             tree = os.path.join(ROOT, tree)
         return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F]], tree[:<tree>])")
+    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F[:L]]], tree[:<tree>])")
 
 
 def run_worker(args) -> list[dict]:

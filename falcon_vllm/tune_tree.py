@@ -157,7 +157,7 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
 
 # ---------------------------------------------------------------------- the file
 # serving.json's prompt-lookup keys (falcon_vllm.vllm.options validates them)
-LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens")
+LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens", "lookup_tokens")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class TreeFile:
     """A JSON file written by ``falcon-vllm tune-tree`` (``main`` below), or a drafter's ``serving.json``,
     which holds either such a file or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
     ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size) and the
-    prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``)."""
+    prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending

@@ -76,9 +76,13 @@ def _engine_specs(base) -> dict:
         # prompt lookup first (n-grams 2-3, up to 4 tokens), the drafter's chain of 3 otherwise
         "falcon_rnd_lookup": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
+        # unpadded drafter batches, adaptive lookup lengths (2, doubled to 4 after a lookup draft accepted whole)
         "falcon_rnd_lookup_unpadded": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4,
-                                               "falcon_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
-                                               "disable_padded_drafter_batch": True}, {}),
+                                               "falcon_tokens": 3, "lookup_tokens": 2, "prompt_lookup_min": 2,
+                                               "prompt_lookup_max": 3, "disable_padded_drafter_batch": True}, {}),
+        # adaptive lookup lengths 2 -> 4 -> 8 on the increment target, whose continuations a prompt can spell out
+        "inc_lookup_adaptive": ("inc", {"model": "exact_k2", "num_speculative_tokens": 8, "falcon_tokens": 2,
+                                        "lookup_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
         "ctx_lookup": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}, {}),
     }
@@ -179,6 +183,61 @@ def _expected_lookup(hist, lo, hi, K):
     return []
 
 
+def _replay_lookup_length(L, lookup_draft, accepted, lookup_tokens, K):
+    """A request's next lookup length: doubled (up to K) after a lookup draft accepted whole, back to
+    ``lookup_tokens`` after one cut short, unchanged after a drafter step (``lookup_draft`` empty)."""
+    if not lookup_draft:
+        return L
+    return min(2 * L, K) if accepted == len(lookup_draft) else lookup_tokens
+
+
+def test_adaptive_lookup_length(engines):
+    """``lookup_tokens`` 2, K=8 on the increment target (greedy: t+1 after t): the prompt spells out the answer
+    100..139 with one wrong token (500 for 120), so lookup drafts are accepted whole until they reach it.  The
+    replay predicts every draft; lookup lengths run 2, 4, 8 (whole drafts), back to 2 after the draft cut at
+    500, and the drafter serves the step after it, where the history's 2-gram ``119 120`` occurs nowhere."""
+    llm = engines.get("inc_lookup_adaptive")
+    src = list(range(100, 120)) + [500] + list(range(121, 140))
+    prompt = src + [100, 101]
+    log = _record_merged(drafter_of(llm).lookup)
+    try:
+        toks = _greedy(llm, [prompt], n=36)[0][0]
+    finally:
+        del drafter_of(llm).lookup.merge
+    assert toks == list(range(102, 138))  # the increment target's greedy answer
+    m, L, lengths, kinds = 1, 2, [], []
+    for d in log:
+        if m >= len(toks):
+            break
+        want = _expected_lookup(prompt + toks[:m], 2, 3, L)
+        if want:
+            assert d == want, (m, d, want, L)
+            lengths.append(L)
+        else:
+            assert d == toks[m:m + 2], (m, d)  # the exact drafter's chain of falcon_tokens
+        kinds.append("lookup" if want else "falcon")
+        a = 0
+        while a < len(d) and m + a < len(toks) and d[a] == toks[m + a]:
+            a += 1
+        L = _replay_lookup_length(L, want, a, 2, 8)
+        m += a + 1
+    assert lengths[:5] == [2, 4, 8, 8, 2], lengths
+    assert "falcon" in kinds and 8 in lengths[5:], (kinds, lengths)  # and grows again after the drafter's step
+
+
+def _record_merged(lk):
+    """Wrap a LookupState instance's merge() to record each step's drafts (batch 1: the request's draft)."""
+    log, orig = [], lk.merge
+
+    def merge(falcon):
+        out = orig(falcon)
+        log.append(out[0])
+        return out
+
+    lk.merge = merge
+    return log
+
+
 @pytest.mark.parametrize("name", ["falcon_rnd_lookup", "falcon_rnd_lookup_unpadded"])
 def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     """Prompt lookup first, the drafter's chain otherwise.  Each step's drafts are replayed against the
@@ -186,7 +245,8 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     accepted prefixes): a request whose history ends in a repeated n-gram gets exactly the brute-force lookup
     draft, any other the drafter's chain of ``falcon_tokens``; outputs equal vanilla's at batch 1 and 6, and a
     batch-1 step served by lookup runs no drafting pass.  Padded drafter batches (vLLM drafts before its
-    bookkeeping) and unpadded ones (after it) alike."""
+    bookkeeping) and unpadded ones (after it) alike; the unpadded engine has adaptive lookup lengths
+    (``lookup_tokens`` 2, K=4), which the replay tracks per request (:func:`_replay_lookup_length`)."""
     ref = ckpts.get("vanilla")
     if ref is None:
         pytest.skip("needs test_vanilla_reference")
@@ -194,6 +254,8 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     prop = drafter_of(llm)
     lk = prop.lookup
     assert lk is not None and (lk.min_n, lk.max_n, lk.falcon_tokens, prop.num_speculative_tokens) == (2, 3, 3, 4)
+    adaptive = name == "falcon_rnd_lookup_unpadded"
+    assert lk.lookup_tokens == (2 if adaptive else 4)
     log, orig = [], lk.merge
 
     def merge(falcon):
@@ -213,24 +275,29 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     assert batched[0] == [ref[tuple(p)] for p in PROMPTS + SHORT]
     runs = [([p], t, o) for p, (t, o) in zip(batch1, single)] + [(PROMPTS + SHORT, *batched)]
     n_lookup = n_falcon = 0
+    lengths = set()
     for batch, toks, outs in runs:
         for p, t, o in zip(batch, toks, outs):
             m = 1  # output tokens committed when the step drafts (the prefill step samples the first)
+            L = lk.lookup_tokens
             for d in [step[o.request_id] for step, _ in log if o.request_id in step]:
                 if m >= len(t):
                     break
-                want = _expected_lookup(p + t[:m], 2, 3, 4)
+                want = _expected_lookup(p + t[:m], 2, 3, L)
                 if want:
-                    assert d == want, (p, m, d, want)
+                    assert d == want, (p, m, d, want, L)
                     n_lookup += 1
+                    lengths.add(L)
                 else:
                     assert len(d) == 3, (p, m, d)
                     n_falcon += 1
                 a = 0
                 while a < len(d) and m + a < len(t) and d[a] == t[m + a]:
                     a += 1
+                L = _replay_lookup_length(L, want, a, lk.lookup_tokens, 4)
                 m += a + 1
     assert n_lookup > 0 and n_falcon > 0, (n_lookup, n_falcon)
+    assert lengths == {2} if adaptive else {4}, lengths  # the random target never accepts a lookup draft whole
     assert any(skipped for _, skipped in log)  # batch-1 steps served by lookup alone ran no drafting pass
 
 

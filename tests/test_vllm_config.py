@@ -74,6 +74,10 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{good}", "falcon_tokens": 2}, "falcon_tokens only applies with prompt lookup"),
     ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "falcon_tokens": 4},
      "falcon_tokens=4 is above num_speculative_tokens=3"),
+    ({"method": "falcon", "model": "{good}", "lookup_tokens": 2}, "lookup_tokens only applies with prompt lookup"),
+    ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "lookup_tokens": 8},
+     "lookup_tokens=8 is above num_speculative_tokens=4"),
+    ({"method": "falcon", "model": "{good}", "prompt_lookup_max": 3, "lookup_tokens": 0}, "lookup_tokens must be an"),
     ({"method": "falcon", "model": "{good}", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "falcon", "model": "{good}", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
@@ -200,18 +204,22 @@ def test_prompt_lookup_options(dirs, tmp_path):
                         "prompt_lookup_min": 2, "prompt_lookup_max": 3, "falcon_tokens": 2}).speculative_config
     f = sc.draft_model_config.hf_config.falcon
     assert sc.num_speculative_tokens == 4 and f["mode"] == "chain"
-    assert f["prompt_lookup"] == [2, 3] and f["falcon_tokens"] == 2
+    assert f["prompt_lookup"] == [2, 3] and f["falcon_tokens"] == 2 and f["lookup_tokens"] == 4
     f = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 3,
                        "prompt_lookup_max": 3}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["prompt_lookup"] == [3, 3] and f["falcon_tokens"] == 3
+    assert f["prompt_lookup"] == [3, 3] and f["falcon_tokens"] == 3 and f["lookup_tokens"] == 3
+    f = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 8,
+                       "prompt_lookup_max": 3, "lookup_tokens": 4}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["lookup_tokens"] == 4 and f["falcon_tokens"] == 8
     chain = tmp_path / "chain"
     shutil.copytree(dirs / "good", chain)
-    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 4, "falcon_tokens": 2,
-                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 8, "falcon_tokens": 2,
+                                                    "lookup_tokens": 4, "prompt_lookup_min": 2,
+                                                    "prompt_lookup_max": 4}))
     f = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2
+    assert f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2 and f["lookup_tokens"] == 4
     sc = _config(dirs, {"method": "falcon", "model": str(chain), "prompt_lookup_max": 0}).speculative_config
-    assert sc.num_speculative_tokens == 4 and "prompt_lookup" not in sc.draft_model_config.hf_config.falcon
+    assert sc.num_speculative_tokens == 8 and "prompt_lookup" not in sc.draft_model_config.hf_config.falcon
     f = _config(dirs, {"method": "falcon", "model": str(chain), "num_speculative_tokens": 2}
                 ).speculative_config.draft_model_config.hf_config.falcon
     assert "prompt_lookup" not in f  # an explicit chain replaces the whole recommendation

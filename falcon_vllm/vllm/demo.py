@@ -77,7 +77,9 @@ def main(args):
                 how = f"tree {falcon_info.get('tree_name')} ({sc.num_speculative_tokens} nodes)"
             elif falcon_info.get("prompt_lookup"):
                 lo, hi = falcon_info["prompt_lookup"]
-                how = (f"prompt lookup ({lo}-{hi}-grams, up to {sc.num_speculative_tokens} tokens) first, "
+                K, L = sc.num_speculative_tokens, falcon_info.get("lookup_tokens", sc.num_speculative_tokens)
+                size = f"{L} to {K} tokens, adaptive" if L < K else f"up to {K} tokens"
+                how = (f"prompt lookup ({lo}-{hi}-grams, {size}) first, "
                        f"the drafter's chain of {falcon_info['falcon_tokens']} otherwise")
             else:
                 how = f"chain K={sc.num_speculative_tokens}"

@@ -8,6 +8,12 @@ without one gets the Falcon drafter's chain of ``falcon_tokens`` tokens.  The tw
 a lookup draft is free and long but exists only where text repeats (code, quotations, a model's own
 loops); the drafter drafts everywhere, a few tokens at a time.
 
+``lookup_tokens`` below K makes a request's lookup length adaptive: it starts at ``lookup_tokens``,
+doubles (up to K) after each of its lookup drafts that the target accepted whole, and falls back to
+``lookup_tokens`` after one that it cut short.  Long drafts then go where the text is being copied
+(a repeated function body, a quoted passage), short ones elsewhere: every verified row costs target
+arithmetic (a few ms per row on a CPU), and a rejected lookup row buys nothing.
+
 Verification is unchanged (vLLM's rejection sampler on one-hot proposals), so outputs are exactly
 vanilla vLLM's whatever is drafted.  Drafts become per-request lists of different lengths, as vLLM's
 ngram method returns them; that needs vLLM's synchronous scheduler (the CPU platform always runs it;
@@ -24,8 +30,8 @@ import torch
 
 
 def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray | None, use: np.ndarray,
-                  min_n: int, max_n: int, k: int, max_model_len: int) -> list[list[int]]:
-    """Per request i (``use[i]``): the lookup draft after its history, else [].
+                  min_n: int, max_n: int, k, max_model_len: int) -> list[list[int]]:
+    """Per request i (``use[i]``): the lookup draft after its history (at most ``k`` tokens, or ``k[i]``), else [].
 
     The history of request i is ``token_ids_cpu[i, :num_tokens[i]]`` followed by this step's sampled
     tokens ``sampled[i]`` that are not placeholders (< 0); ``sampled`` None: the history already holds them.
@@ -41,7 +47,7 @@ def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np
         if sampled is not None:
             new = sampled[i][sampled[i] >= 0]
             hist = np.concatenate([hist, new.astype(token_ids_cpu.dtype)])
-        out.append(find(hist, min_n, max_n, max_model_len, k).tolist())
+        out.append(find(hist, min_n, max_n, max_model_len, int(k if np.isscalar(k) else k[i])).tolist())
     return out
 
 
@@ -54,11 +60,15 @@ def warm_up() -> None:
 class LookupState:
     """What one runner step's lookup decided (set by the runner hook, read by the proposer)."""
 
-    def __init__(self, min_n: int, max_n: int, falcon_tokens: int):
+    def __init__(self, min_n: int, max_n: int, falcon_tokens: int, lookup_tokens: int | None = None):
         self.min_n, self.max_n, self.falcon_tokens = min_n, max_n, falcon_tokens
+        self.lookup_tokens = lookup_tokens  # None: every lookup draft up to the step's budget
         self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
         self.falcon_drafts = 0   # requests x steps served by the drafter
+        # adaptive lengths: request id -> (history length at its last step, that step's lookup draft length,
+        # the lookup length it was given); requests absent from a step are forgotten
+        self._runs: dict[str, tuple[int, int, int]] = {}
 
     def plan(self, runner, sampled_token_ids, k: int) -> None:
         """Look up every decoding request of the step (``k``: the step's draft budget)."""
@@ -68,8 +78,26 @@ class LookupState:
         # vLLM drafts for EAGLE before its bookkeeping, from the sampler's tensor (placeholders < 0); with
         # disable_padded_drafter_batch it drafts after it, from lists already appended to token_ids_cpu
         sampled = sampled_token_ids.cpu().numpy()[:B] if torch.is_tensor(sampled_token_ids) else None
+        lengths = k
+        if self.lookup_tokens is not None and self.lookup_tokens < k:
+            hist = batch.num_tokens_no_spec[:B] + (0 if sampled is None else (sampled >= 0).sum(1))
+            lengths = self._lengths(list(batch.req_ids[:B]), hist, k)
         self.drafts = lookup_drafts(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled, ~discard,
-                                    self.min_n, self.max_n, k, runner.max_model_len)
+                                    self.min_n, self.max_n, lengths, runner.max_model_len)
+        if not np.isscalar(lengths):
+            self._runs = {r: (int(n), len(d), L) for r, n, d, L in zip(batch.req_ids[:B], hist, self.drafts, lengths)}
+
+    def _lengths(self, req_ids: list[str], hist: np.ndarray, k: int) -> list[int]:
+        """Each request's lookup length this step: doubled (up to ``k``) after a lookup draft accepted whole
+        (its history grew by the draft plus the bonus token), back to ``lookup_tokens`` after one cut short,
+        unchanged after a drafter step."""
+        out = []
+        for r, n in zip(req_ids, hist):
+            n0, d, L = self._runs.get(r, (0, 0, self.lookup_tokens))
+            if d:
+                L = 2 * L if n - n0 == d + 1 else self.lookup_tokens
+            out.append(max(1, min(L, k)))
+        return out
 
     def merge(self, falcon: torch.Tensor) -> list[list[int]]:
         """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K])."""

@@ -23,9 +23,11 @@ from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
 #             chain mode (vLLM's rejection sampler), any other tree in tree mode.
 #   falcon_k  the block size the drafter must have been trained with (a consistency check)
 #   falcon_tokens  with prompt lookup: the drafter's chain length where lookup finds nothing (default K)
+#   lookup_tokens  with prompt lookup: a request's lookup draft length after a rejection; it doubles after a
+#             fully accepted lookup draft, up to K (default K: every lookup draft up to K tokens)
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
-FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens"}
+FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -190,33 +192,38 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     sc.update(method="eagle", model=path, num_speculative_tokens=n)
     info = {"mode": "chain", "num_speculative_tokens": n}
     if lookup is not None:
-        lo, hi, falcon_tokens = lookup
+        lo, hi, falcon_tokens, lookup_tokens = lookup
         falcon_tokens = n if falcon_tokens is None else falcon_tokens
-        if falcon_tokens > n:
-            raise ValueError(f"falcon-vllm: falcon_tokens={falcon_tokens} is above num_speculative_tokens={n}")
-        info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens)
+        lookup_tokens = n if lookup_tokens is None else lookup_tokens
+        for key, v in (("falcon_tokens", falcon_tokens), ("lookup_tokens", lookup_tokens)):
+            if v > n:
+                raise ValueError(f"falcon-vllm: {key}={v} is above num_speculative_tokens={n}")
+        info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens, lookup_tokens=lookup_tokens)
     return sc, info
 
 
-def _lookup_options(sc: dict) -> tuple[int, int, int | None] | None:
-    """Pop ``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens`` from ``sc`` -> (min, max, falcon_tokens)
-    or None (lookup off).  As for vLLM's ngram, a missing bound takes the other's value."""
-    lo, hi, ft = (sc.pop(key, None) for key in LOOKUP_KEYS)
-    for key, v in zip(LOOKUP_KEYS, (lo, hi, ft)):
+def _lookup_options(sc: dict) -> tuple[int, int, int | None, int | None] | None:
+    """Pop ``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens`` / ``lookup_tokens`` from ``sc`` ->
+    (min, max, falcon_tokens, lookup_tokens) or None (lookup off).  As for vLLM's ngram, a missing bound takes
+    the other's value."""
+    lo, hi, ft, lt = (sc.pop(key, None) for key in LOOKUP_KEYS)
+    for key, v in zip(LOOKUP_KEYS, (lo, hi, ft, lt)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"falcon-vllm: {key} must be an integer >= 1, got {v!r}")
+    given = [key for key, v in zip(LOOKUP_KEYS[2:], (ft, lt)) if v is not None]
     if hi == 0:  # explicitly off (e.g. over a drafter's recommended configuration)
-        if ft is not None:
-            raise ValueError("falcon-vllm: falcon_tokens only applies with prompt lookup (prompt_lookup_max >= 1)")
+        if given:
+            raise ValueError(f"falcon-vllm: {given[0]} only applies with prompt lookup (prompt_lookup_max >= 1)")
         return None
     if lo is None and hi is None:
-        if ft is not None:
-            raise ValueError("falcon-vllm: falcon_tokens only applies with prompt lookup: give prompt_lookup_max "
+        if given:
+            raise ValueError(f"falcon-vllm: {given[0]} only applies with prompt lookup: give prompt_lookup_max "
                              "(the longest n-gram looked up), or use num_speculative_tokens for the drafter's chain")
         return None
     lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
     if lo < 1 or lo > hi:
         raise ValueError(f"falcon-vllm: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
-    if ft is not None and ft < 1:
-        raise ValueError(f"falcon-vllm: falcon_tokens must be an integer >= 1, got {ft!r}")
-    return lo, hi, ft
+    for key, v in zip(LOOKUP_KEYS[2:], (ft, lt)):
+        if v is not None and v < 1:
+            raise ValueError(f"falcon-vllm: {key} must be an integer >= 1, got {v!r}")
+    return lo, hi, ft, lt

@@ -99,7 +99,7 @@ class FalconProposer(EagleProposer):
                                  "drafts of different lengths, which vLLM's async scheduler cannot take: run with "
                                  "--no-async-scheduling")
             lo, hi = self.falcon["prompt_lookup"]
-            self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"])
+            self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"], self.falcon.get("lookup_tokens"))
             lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
