@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,6 +32,7 @@ import time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cpu_gemm_rows import cpu_name  # noqa: E402
 from profile_step import ROOT, _spec  # noqa: E402  (its environment, its configuration names)
 
 
@@ -127,7 +127,7 @@ def run(args) -> list[dict]:
 def write(args, rows) -> None:
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
     cmd = "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    meta = {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "baseline": args.configs[0],
+    meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
     with open(out + ".json", "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)

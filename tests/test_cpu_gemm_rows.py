@@ -1,0 +1,31 @@
+"""benchmarks/cpu_gemm_rows.py: the projections it sweeps and the GEMM it times (vLLM's CPU dispatch)."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import cpu_gemm_rows  # noqa: E402
+
+
+def test_linear_shapes_of_a_llama_target():
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_hidden_layers=3, vocab_size=500)
+    shapes = cpu_gemm_rows.linear_shapes(cfg)
+    assert shapes[:4] == [(128, 64), (64, 64), (192, 64), (64, 96)]  # qkv (4+2*2 heads x 16), o, gate_up, down
+    assert len(shapes) == 3 * 4 + 1 and shapes[-1] == (500, 64)
+
+
+def test_the_timed_gemm_is_vllms_and_computes_the_linear():
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(48, 32), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer.cpu_linear(x, layer.weight, None), x @ layer.weight.T, rtol=1e-4, atol=1e-4)
+    best = cpu_gemm_rows.measure([(48, 32), (32, 48)], rows=[1, 3], rounds=1, iters=1)
+    assert set(best) == {1, 3} and all(ms > 0 for ms in best.values())
+    assert "CPUs" in cpu_gemm_rows.cpu_name()
