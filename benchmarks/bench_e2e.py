@@ -66,7 +66,6 @@ import gc
 import glob
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -402,15 +401,8 @@ def model_dir(name: str) -> str:
 # -------------------------------------------------------------------------------------- machine
 def machine(args) -> str:
     import torch
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+
+    from cpu_gemm_rows import cpu_name  # benchmarks/ is on sys.path when this runs as a script or is imported
     versions = [f"torch {torch.__version__}"]
     for mod in ("vllm", "transformers"):
         try:
@@ -420,7 +412,7 @@ def machine(args) -> str:
     if torch.cuda.is_available():
         hw = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        hw = f"{cpu} ({os.cpu_count()} cores)"
+        hw = cpu_name()
     pre = os.path.basename(os.environ.get("LD_PRELOAD", "")) or "none"
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     return (f"{hw}, {', '.join(versions)}; reference threads {args.threads}, VLLM_CPU_OMP_THREADS_BIND={bind}, "

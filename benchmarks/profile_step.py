@@ -46,6 +46,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+from cpu_gemm_rows import cpu_name  # noqa: E402
 COMPONENTS = ("step", "target forward", "attention", "tree attention", "lm head", "sampler", "compaction",
               "drafting", "drafter passes", "bookkeeping")
 
@@ -255,7 +257,7 @@ def summarise(rows):
 
 def markdown(summary, args, command) -> str:
     lines = [f"# Step profile: {args.name}", "", f"Command: `{command}`", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+             f"Machine: {cpu_name()}; "
              f"{args.max_new_tokens} new tokens x {args.repeats} repeat(s) per batch, MT-Bench prompts, greedy, "
              f"{args.rounds} round(s) (median){'; versions run side by side' if args.parallel else ''}.  ms per step (share of the step).  tree attention is part of "
              "attention, which is part of target forward; compaction is part of sampler; drafter passes are "
