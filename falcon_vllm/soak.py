@@ -220,10 +220,8 @@ class Soak:
                 self.errors.append(f"malformed {path} {data[:80]!r}: status {r.status}")
 
     async def client(self, k: int) -> None:
-        import aiohttp
-
         rng = random.Random(self.seed * 1000 + k)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with _session() as session:
             while time.monotonic() < self.deadline:
                 x = rng.random()
                 try:
@@ -254,13 +252,22 @@ class Soak:
                     self.errors.append(f"{type(e).__name__}: {e}"[:300])
 
 
+def _session():
+    """A client session that opens a fresh connection per request.  The server (uvicorn on uvloop) closes
+    a keep-alive connection idle for 5 s, and a server stalled that long under the soak's load fires that
+    timer before it reads the next request already sent; a pooled connection reused across it fails in
+    the client ("Can not write request body"), a race of connection reuse, not a failure of the server."""
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                 connector=aiohttp.TCPConnector(force_close=True))
+
+
 async def _run_clients(soak: Soak, clients: int) -> None:
     await asyncio.gather(*(soak.client(k) for k in range(clients)))
 
 
 async def _replay_greedy(url: str, model: str, prompts: list[str], ids: list[int]) -> dict[int, str]:
-    import aiohttp
-
     s = Soak(url, model, prompts, 0, 0, 0, 0, 1)
     sem = asyncio.Semaphore(8)
     out = {}
@@ -270,7 +277,7 @@ async def _replay_greedy(url: str, model: str, prompts: list[str], ids: list[int
             path, body = s._body(i, i % 3 == 2, max_tokens=GREEDY_LENGTHS[i % len(GREEDY_LENGTHS)], temperature=0.0)
             out[i] = await s._request(session, path, body, False)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with _session() as session:
         await asyncio.gather(*(one(session, i) for i in ids))
     return out
 

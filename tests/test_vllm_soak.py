@@ -44,3 +44,45 @@ def test_spec_counter_checks():
     assert spec_consistency(before, page(10, 30, 13, [7, 4, 1], 40))[1]     # sum != accepted
     assert spec_consistency(before, page(10, 10, 12, [7, 4, 1], 40))[1]     # accepted > drafted
     assert spec_consistency(before, page(0, 0, 0, [0, 0, 0], 0))[1]         # no drafts
+
+
+def test_soak_clients_survive_keep_alive_closes():
+    """The soak's clients open a connection per request: a server closing an idle keep-alive connection
+    while the client's loop was stalled (the 2-core soak's load) fails a pooled client, never the soak's."""
+    import asyncio
+    import threading
+    import time
+
+    import aiohttp
+    import uvicorn
+
+    from falcon_vllm.soak import _free_port, _session
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            while (await receive()).get("more_body"):
+                pass
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error", timeout_keep_alive=1))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def stalled_pair(make_session) -> str:
+        async with make_session() as session:
+            for _ in range(2):
+                async with session.post(url, json={"prompt": "hi"}) as r:
+                    body = await r.read()
+                time.sleep(1.5)  # the loop stalls past the server's keep-alive timeout
+            return body.decode()
+
+    try:
+        assert asyncio.run(stalled_pair(_session)) == "ok"
+        with pytest.raises(aiohttp.ClientError):  # a pooled session fails: the check above can fail
+            asyncio.run(stalled_pair(aiohttp.ClientSession))
+    finally:
+        server.should_exit = True
