@@ -225,6 +225,32 @@ def test_adaptive_lookup_length(engines):
     assert "falcon" in kinds and 8 in lengths[5:], (kinds, lengths)  # and grows again after the drafter's step
 
 
+def test_lookup_length_record_at_small_budgets():
+    """The adaptive record is kept at every budget: a whole lookup draft at a budget k <= lookup_tokens still
+    doubles the next length (a stale record would compare the history against a step two drafts old)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from falcon_vllm.vllm.lookup import LookupState
+
+    hist = [1, 2, 3, 4, 5] * 4  # periodic: every suffix has an earlier match
+
+    def step(lk, k):
+        batch = SimpleNamespace(num_reqs=1, req_ids=["r"], token_ids_cpu=np.array([hist + [0] * 64], dtype=np.int32),
+                                num_tokens_no_spec=np.array([len(hist)]))
+        runner = SimpleNamespace(input_batch=batch, discard_request_mask=SimpleNamespace(np=np.array([False])),
+                                 max_model_len=1024)
+        lk.plan(runner, torch.full((1, 1), -1), k)
+        d = lk.drafts[0]
+        hist.extend(d + [(len(hist) + len(d)) % 5 + 1])  # accepted whole, then the bonus token
+        lk.drafts = None
+        return len(d)
+
+    lk = LookupState(2, 3, falcon_tokens=2, lookup_tokens=2)
+    assert [step(lk, 8), step(lk, 2), step(lk, 8), step(lk, 8), step(lk, 1), step(lk, 8)] == [2, 2, 4, 8, 1, 2]
+
+
 def _record_merged(lk):
     """Wrap a LookupState instance's merge() to record each step's drafts (batch 1: the request's draft)."""
     log, orig = [], lk.merge

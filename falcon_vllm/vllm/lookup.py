@@ -79,12 +79,12 @@ class LookupState:
         # disable_padded_drafter_batch it drafts after it, from lists already appended to token_ids_cpu
         sampled = sampled_token_ids.cpu().numpy()[:B] if torch.is_tensor(sampled_token_ids) else None
         lengths = k
-        if self.lookup_tokens is not None and self.lookup_tokens < k:
+        if self.lookup_tokens is not None:  # also at a budget k <= lookup_tokens: the record stays current
             hist = batch.num_tokens_no_spec[:B] + (0 if sampled is None else (sampled >= 0).sum(1))
             lengths = self._lengths(list(batch.req_ids[:B]), hist, k)
         self.drafts = lookup_drafts(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled, ~discard,
                                     self.min_n, self.max_n, lengths, runner.max_model_len)
-        if not np.isscalar(lengths):
+        if self.lookup_tokens is not None:
             self._runs = {r: (int(n), len(d), L) for r, n, d, L in zip(batch.req_ids[:B], hist, self.drafts, lengths)}
 
     def _lengths(self, req_ids: list[str], hist: np.ndarray, k: int) -> list[int]:
@@ -95,7 +95,7 @@ class LookupState:
         for r, n in zip(req_ids, hist):
             n0, d, L = self._runs.get(r, (0, 0, self.lookup_tokens))
             if d:
-                L = 2 * L if n - n0 == d + 1 else self.lookup_tokens
+                L = max(2 * L, self.lookup_tokens) if n - n0 == d + 1 else self.lookup_tokens
             out.append(max(1, min(L, k)))
         return out
 
