@@ -12,9 +12,10 @@ median of those ratios is reported with its spread.  The outputs are checked aga
   python benchmarks/ab_step.py --configs vanilla,tree:benchmarks/results/tree_smollm2_v2_tuned.json \\
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
 
-Configurations as in profile_step.py: vanilla, chain[:K], lookup[:K[:F[:L]]] (prompt lookup of up to K tokens
-first, adaptive from L tokens when given; Falcon's chain of F otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K]
-(vLLM's EAGLE, --eagle-drafter), ngram[:K], and falcon (the drafter's serving.json decides); a suffix
+Configurations as in profile_step.py: vanilla, chain[:K], lookup[:K[:F[:L[:N]]]] (prompt lookup of up to K
+tokens first, adaptive from L tokens when given, n-grams of N (default 2) to 4 tokens; Falcon's chain of F
+otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K] (vLLM's EAGLE, --eagle-drafter), ngram[:K],
+and falcon (the drafter's serving.json decides); a suffix
 ``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``).
 """
 
@@ -115,6 +116,7 @@ def run(args) -> list[dict]:
                 "tokens_per_s": tokens / sum(secs[c]),
                 "tokens_per_generation": tokens / (args.pairs * B),
                 "speedup_vs_base": statistics.median(ratios),
+                "speedup_total": sum(secs[base]) / sum(secs[c]),  # the whole workload's time ratio
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "steps_per_generation": steps[c] / args.pairs,
                 "identical_to_base": outs[c] == outs[base],
@@ -136,14 +138,16 @@ def write(args, rows) -> None:
              f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
-             f"(min-max) over the pairs; baseline `{args.configs[0]}`.  steps/generation: the runner's model "
+             f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
+             f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done.", "",
-             "| config | B | tok/s | speedup vs baseline | min-max | tokens/generation | steps/generation | "
+             "| config | B | tok/s | speedup vs baseline | min-max | total | tokens/generation | steps/generation | "
              "identical to baseline |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_base']:.3f}x | "
-                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['tokens_per_generation']:.1f} | "
+                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['speedup_total']:.3f}x | "
+                     f"{r['tokens_per_generation']:.1f} | "
                      f"{r['steps_per_generation']:.1f} | {r['identical_to_base']} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

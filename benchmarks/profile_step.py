@@ -86,19 +86,19 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int):
         return None
     if kind == "chain":
         return {"method": "falcon", "model": drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
-    if kind == "lookup":  # lookup[:K[:F[:L]]]: prompt lookup first (n-grams 2-4, up to K tokens; adaptive from L
-        # tokens when L < K), Falcon's chain of F otherwise
-        K, F, L = (arg.split(":") + ["", "", ""])[:3]
+    if kind == "lookup":  # lookup[:K[:F[:L[:N]]]]: prompt lookup first (n-grams N-4, N=2 by default, up to K
+        # tokens; adaptive from L tokens when L < K), Falcon's chain of F otherwise
+        K, F, L, N = (arg.split(":") + ["", "", "", ""])[:4]
         K = int(K or 4)
         spec = {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
-                "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                "prompt_lookup_min": int(N or 2), "prompt_lookup_max": 4}
         return dict(spec, lookup_tokens=int(L)) if L else spec
     if kind == "tree":
         tree = arg or "tree-2x2x1"
         if tree.endswith(".json") and not os.path.isabs(tree):
             tree = os.path.join(ROOT, tree)
         return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F[:L]]], tree[:<tree>])")
+    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>])")
 
 
 def run_worker(args) -> list[dict]:

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Prompt lookup against the drafter's chain, step by step: how good is the shipped choice between them?
+
+The shipped Falcon default drafts each step either by prompt lookup (a repeated n-gram's continuation)
+or, where no n-gram repeats, by the drafter's chain.  This script runs that default in vLLM (in-process,
+batch 1, greedy, stopping at EOS) with the drafter's chain computed at every step, lookup steps included,
+and records each step's history length, lookup draft and chain.  The target's greedy answer then tells
+how many tokens any draft of that step would have had accepted, so other policies can be scored on the
+same steps without running them:
+
+  shipped          lookup draft where one exists, the chain elsewhere
+  agree-gated      the lookup draft only where its first token is the chain's, the chain elsewhere
+  oracle           per step, whichever of the two the target accepts more of (an upper bound)
+  lookup min n     vLLM's matcher with another shortest n-gram (1 or 3 instead of 2), chain elsewhere
+  chain+lookup     on chain steps, the chain extended by the lookup continuation of history + chain
+
+Scores are accepted draft tokens per step over the recorded steps (the shipped default's trajectory:
+a policy that changed one step's acceptance would change the following steps, which are not re-run).
+
+  python benchmarks/lookup_oracle.py --datasets mt-bench,humaneval,gsm8k --prompts 12 \\
+      --max-new-tokens 96 --name lookup_oracle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpu_gemm_rows import cpu_name  # noqa: E402
+from profile_step import ROOT  # noqa: E402  (its environment: in-process engine, offline)
+
+
+def record(args) -> dict:
+    """Run the default over each dataset -> {dataset: {"steps": [(history length, lookup, chain)], "seqs": [...]}}."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.vllm.lookup import LookupState
+
+    steps: list = []
+    plan, merge = LookupState.plan, LookupState.merge
+
+    def plan_and_note(self, runner, sampled, k):
+        plan(self, runner, sampled, k)
+        b = runner.input_batch
+        new = (sampled.cpu().numpy()[0] >= 0).sum() if hasattr(sampled, "cpu") else 0
+        self._noted = int(b.num_tokens_no_spec[0] + new)
+
+    def merge_and_note(self, falcon):
+        steps.append((self._noted, list(self.drafts[0]), falcon.tolist()[0]))
+        return merge(self, falcon)
+
+    LookupState.plan, LookupState.merge = plan_and_note, merge_and_note
+    LookupState.all_matched = property(lambda self: False)  # the chain at every step
+    model = str(model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True, max_num_seqs=1, seed=0,
+              enable_prefix_caching=False, speculative_config={"method": "falcon", "model": args.drafter})
+    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0)
+    out = {}
+    for ds in args.datasets:
+        runs = []
+        for q in load_chat_prompts(ds, args.prompts):
+            ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                          tokenize=True)
+            ids = [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+            steps.clear()
+            o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+            runs.append({"seq": ids + list(o.outputs[0].token_ids), "steps": list(steps)})
+        out[ds] = runs
+        print(f"{ds}: {sum(len(r['steps']) for r in runs)} steps recorded", file=sys.stderr, flush=True)
+    return out
+
+
+def accepted(draft, truth) -> int:
+    """Tokens of ``draft`` the greedy target accepts: the common prefix with its own continuation."""
+    n = 0
+    for d, t in zip(draft, truth):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def score(runs) -> dict:
+    from falcon_vllm.vllm.lookup import lookup_drafts
+
+    def look(hist, min_n, k):
+        return lookup_drafts(np.array([hist], dtype=np.int32), np.array([len(hist)]), None, np.array([True]),
+                             min_n, 4, k, 1 << 20)[0]
+
+    tot = {p: 0 for p in ("shipped", "agree-gated", "oracle", "lookup min n 1", "lookup min n 3", "chain+lookup")}
+    n = lookup_steps = chain_acc_on_lookup = 0
+    for run in runs:
+        seq = run["seq"]
+        for h, lk, chain in run["steps"]:
+            truth = seq[h:h + 16]
+            a_l, a_c = accepted(lk, truth), accepted(chain, truth)
+            n += 1
+            lookup_steps += bool(lk)
+            chain_acc_on_lookup += a_c if lk else 0
+            tot["shipped"] += a_l if lk else a_c
+            tot["agree-gated"] += a_l if lk and lk[0] == chain[0] else a_c
+            tot["oracle"] += max(a_l, a_c) if lk else a_c
+            for m in (1, 3):
+                alt = look(seq[:h], m, len(lk) or 4) if m != 2 else lk
+                tot[f"lookup min n {m}"] += accepted(alt, truth) if alt else a_c
+            if lk:
+                tot["chain+lookup"] += a_l
+            else:
+                ext = look(seq[:h] + chain, 2, 4) if a_c == len(chain) else []
+                tot["chain+lookup"] += a_c + accepted(ext, truth[len(chain):])
+    return {"steps": n, "lookup_steps": lookup_steps,
+            "chain_accepted_on_lookup_steps": chain_acc_on_lookup / max(lookup_steps, 1),
+            "accepted_per_step": {p: v / n for p, v in tot.items()}}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--datasets", default="mt-bench,humaneval,gsm8k")
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    p.add_argument("--name", default="lookup_oracle")
+    args = p.parse_args(argv)
+    args.datasets = [d for d in args.datasets.split(",") if d]
+    res = {ds: score(runs) for ds, runs in record(args).items()}
+    cmd = "python benchmarks/lookup_oracle.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out = os.path.join(ROOT, "benchmarks", "results", args.name)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": cmd, "machine": cpu_name(), "results": res}, f, indent=1)
+    policies = list(next(iter(res.values()))["accepted_per_step"])
+    lines = [f"# Prompt lookup against the drafter's chain, per step: {args.name}", "", f"Command: `{cmd}`", "",
+             f"Machine: {cpu_name()}.  The shipped default at batch 1 (greedy, {args.max_new_tokens} tokens, stopping at "
+             f"EOS, the first {args.prompts} prompts), the drafter's chain computed at every step; accepted draft "
+             "tokens per step of each policy on the recorded steps (see the script's docstring).", "",
+             "| dataset | steps | lookup steps | chain accepted on lookup steps | "
+             + " | ".join(policies) + " |", "|---|---|---|---|" + "---|" * len(policies)]
+    for ds, r in res.items():
+        lines.append(f"| {ds} | {r['steps']} | {r['lookup_steps']} | {r['chain_accepted_on_lookup_steps']:.2f} | "
+                     + " | ".join(f"{r['accepted_per_step'][q]:.3f}" for q in policies) + " |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
