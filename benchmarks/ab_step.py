@@ -60,11 +60,16 @@ def run(args) -> list[dict]:
 
     model = args.model or str(model_path())
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = []
-    for q in load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes)):
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                      tokenize=True)
-        prompts.append({"prompt_token_ids": [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]})
+
+    def chat(messages):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return {"prompt_token_ids": [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]}
+
+    questions = load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes))
+    if args.turn > 1 and any(len(q["turns"]) < args.turn for q in questions):
+        raise SystemExit(f"falcon-vllm: --turn {args.turn}: {args.dataset} questions have fewer turns")
+    history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    prompts = [chat(h) for h in history]
     engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
     labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
     for label, cfg in zip(labels, args.configs):
@@ -87,6 +92,12 @@ def run(args) -> list[dict]:
 
         runner.execute_model = execute_model
     base = labels[0]
+    for t in range(1, args.turn):  # later turns: the conversation so far, with the baseline's greedy answers
+        answers = engines[base].generate(prompts, SamplingParams(max_tokens=args.max_new_tokens, temperature=0),
+                                         use_tqdm=False)
+        for h, a, q in zip(history, answers, questions):
+            h += [{"role": "assistant", "content": a.outputs[0].text}, {"role": "user", "content": q["turns"][t]}]
+        prompts = [chat(h) for h in history]
     sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=not args.stop_at_eos)
     rows = []
     for B in args.batch_sizes:
@@ -136,6 +147,7 @@ def write(args, rows) -> None:
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
              f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts"
+             f"{f', turn {args.turn} after the baseline answered the earlier turns' if args.turn > 1 else ''}"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
@@ -165,6 +177,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=0,
                    help="rotate over the first N prompts (pair i takes the next B of them; default: the first B)")
     p.add_argument("--dataset", default="mt-bench", help="prompt set of falcon_vllm.models.load_chat_prompts")
+    p.add_argument("--turn", type=int, default=1,
+                   help="time this turn of each conversation (MT-Bench has 2); earlier turns are answered untimed "
+                        "by the baseline, greedily, up to --max-new-tokens")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
     p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
     p.add_argument("--eagle-drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct-eagle"),
