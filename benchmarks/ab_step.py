@@ -66,10 +66,10 @@ def run(args) -> list[dict]:
         return {"prompt_token_ids": [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]}
 
     questions = load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes))
-    if args.turn > 1 and any(len(q["turns"]) < args.turn for q in questions):
+    last = args.turn or min(len(q["turns"]) for q in questions)  # --turn 0: every turn of the conversation
+    if any(len(q["turns"]) < last for q in questions):
         raise SystemExit(f"falcon-vllm: --turn {args.turn}: {args.dataset} questions have fewer turns")
     history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    prompts = [chat(h) for h in history]
     engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
     labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
     for label, cfg in zip(labels, args.configs):
@@ -92,19 +92,21 @@ def run(args) -> list[dict]:
 
         runner.execute_model = execute_model
     base = labels[0]
-    for t in range(1, args.turn):  # later turns: the conversation so far, with the baseline's greedy answers
-        answers = engines[base].generate(prompts, SamplingParams(max_tokens=args.max_new_tokens, temperature=0),
+    turns = [[chat(h) for h in history]]  # turns[t]: each conversation's prompt at turn t + 1
+    for t in range(1, last):  # later turns: the conversation so far, with the baseline's greedy answers
+        answers = engines[base].generate(turns[-1], SamplingParams(max_tokens=args.max_new_tokens, temperature=0),
                                          use_tqdm=False)
         for h, a, q in zip(history, answers, questions):
             h += [{"role": "assistant", "content": a.outputs[0].text}, {"role": "user", "content": q["turns"][t]}]
-        prompts = [chat(h) for h in history]
+        turns.append([chat(h) for h in history])
+    timed = turns if args.turn == 0 else turns[-1:]  # the turns a generation pair runs, one after another
     sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=not args.stop_at_eos)
     rows = []
     for B in args.batch_sizes:
         N = max(args.prompts or B, B)
-        batches = [[prompts[(i * B + j) % N] for j in range(B)] for i in range(args.pairs)]  # pair i's prompts
+        batches = [[[p[(i * B + j) % N] for j in range(B)] for p in timed] for i in range(args.pairs)]  # pair i's
         for llm in engines.values():  # warm-up
-            llm.generate(batches[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+            llm.generate(batches[0][0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
         secs = {c: [] for c in labels}
         outs = {c: [] for c in labels}
         steps = {c: 0 for c in labels}
@@ -114,7 +116,7 @@ def run(args) -> list[dict]:
             for c in order:
                 before = step_count[c][0]
                 t0 = time.perf_counter()
-                o = engines[c].generate(batch, sp, use_tqdm=False)
+                o = [x for turn in batch for x in engines[c].generate(turn, sp, use_tqdm=False)]
                 secs[c].append(time.perf_counter() - t0)
                 steps[c] += step_count[c][0] - before
                 outs[c].append([list(x.outputs[0].token_ids) for x in o])
@@ -146,8 +148,10 @@ def write(args, rows) -> None:
         json.dump({**meta, "rows": rows}, f, indent=1)
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
-             f"{args.max_new_tokens} tokens per configuration and batch size ({args.dataset} prompts"
+             f"{args.max_new_tokens} tokens{' per turn' if args.turn == 0 else ''} per configuration and batch size "
+             f"({args.dataset} prompts"
              f"{f', turn {args.turn} after the baseline answered the earlier turns' if args.turn > 1 else ''}"
+             f"{', every turn (a generation: the conversation, later turns after the baseline answers)' if args.turn == 0 else ''}"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
@@ -178,8 +182,8 @@ def main(argv=None) -> None:
                    help="rotate over the first N prompts (pair i takes the next B of them; default: the first B)")
     p.add_argument("--dataset", default="mt-bench", help="prompt set of falcon_vllm.models.load_chat_prompts")
     p.add_argument("--turn", type=int, default=1,
-                   help="time this turn of each conversation (MT-Bench has 2); earlier turns are answered untimed "
-                        "by the baseline, greedily, up to --max-new-tokens")
+                   help="time this turn of each conversation (MT-Bench has 2), 0: every turn, one after another; "
+                        "later turns follow the baseline's greedy answers (up to --max-new-tokens) to earlier ones")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
     p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
     p.add_argument("--eagle-drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct-eagle"),
@@ -189,6 +193,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.turn < 0:
+        raise SystemExit("falcon-vllm: --turn takes a turn number (1, 2, ...) or 0 for every turn")
     if len(args.configs) < 2:
         raise SystemExit("falcon-vllm: --configs needs a baseline and at least one configuration to compare")
     write(args, run(args))
