@@ -112,7 +112,7 @@ def score(runs) -> dict:
             tot["agree-gated"] += a_l if lk and lk[0] == chain[0] else a_c
             tot["oracle"] += max(a_l, a_c) if lk else a_c
             for m in (1, 3):
-                alt = look(seq[:h], m, len(lk) or 4) if m != 2 else lk
+                alt = look(seq[:h], m, len(lk) or 4)
                 tot[f"lookup min n {m}"] += accepted(alt, truth) if alt else a_c
             if lk:
                 tot["chain+lookup"] += a_l

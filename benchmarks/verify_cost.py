@@ -15,12 +15,13 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cpu_gemm_rows import cpu_name  # noqa: E402  (one machine description for every benchmark)
 
 
 def layers_only_cost(target, batch_size, width, prefix=256, repeats=3):
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
     out = os.path.join(HERE, "results", args.name)
     with open(out + ".json", "w") as f:
-        json.dump({"command": command, "machine": platform.platform(), "threads": args.threads,
+        json.dump({"command": command, "machine": cpu_name(), "threads": args.threads,
                    "prefix": args.prefix, "rows": rows}, f, indent=1)
     lines = [f"# Verify cost of W tokens vs 1 ({args.name})", "", f"Command: `{command}`", "",
              f"SmolLM2-135M-Instruct fp32 (transformers), prefix {args.prefix}, {args.threads} thread(s), best of "

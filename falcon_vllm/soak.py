@@ -253,10 +253,10 @@ class Soak:
 
 
 def _session():
-    """A client session that opens a fresh connection per request.  The server (uvicorn on uvloop) closes
-    a keep-alive connection idle for 5 s, and a server stalled that long under the soak's load fires that
-    timer before it reads the next request already sent; a pooled connection reused across it fails in
-    the client ("Can not write request body"), a race of connection reuse, not a failure of the server."""
+    """A client session that opens a fresh connection per request.  The server (uvicorn) closes a keep-alive
+    connection idle for 5 s; a client whose loop stalls that long under the soak's load then reuses the
+    pooled connection the server has closed and fails ("Can not write request body"): a race of connection
+    reuse, not a failure of the server."""
     import aiohttp
 
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
