@@ -126,6 +126,37 @@ def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):
     assert r.tau > 2.5, r.tau                                       # random drafter: ~1.0
 
 
+def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
+    """--init-from loads a trained drafter whole (truncated head and d2t map included, not re-derived from
+    the data), records what it continued, and refuses another architecture."""
+    kw = dict(samples=data, target=target, log=lambda *a: None)
+    base = TrainConfig(str(tmp_path / "a"), k=2, epochs=1, batch_size=8, lr=3e-3, draft_vocab=32,
+                       eval_every_epoch=False, eval_roots=12)
+    train(base, **kw)
+    a = FalconDrafter.from_pretrained(str(tmp_path / "a"), target.config)
+    with torch.no_grad():  # a map the data would not give: an init that re-derived it would differ
+        a.d2t.copy_(torch.arange(32, 64) - torch.arange(32))
+    a.save_pretrained(str(tmp_path / "a"))
+    # lr 0: the continuation changes nothing, so what it saves is exactly what it loaded
+    train(replace(base, out_dir=str(tmp_path / "b"), lr=0.0, init_from=str(tmp_path / "a")), **kw)
+    b = FalconDrafter.from_pretrained(str(tmp_path / "b"), target.config)
+    assert all(torch.equal(v, b.state_dict()[n]) for n, v in a.state_dict().items())
+    rec = b.config.extra["training"]
+    assert rec["init_from"]["drafter"] == "a" and rec["init_from"]["training"]["lr"] == 3e-3
+    assert "init_from" in rec and str(tmp_path) not in json.dumps(rec)   # no machine path in the record
+    # EAGLE mode continues the vLLM-layout export it shipped
+    train(TrainConfig(str(tmp_path / "e"), mode="eagle", epochs=1, batch_size=8, draft_vocab=32,
+                      eval_every_epoch=False, eval_roots=12), **kw)
+    train(TrainConfig(str(tmp_path / "f"), mode="eagle", epochs=1, batch_size=8, draft_vocab=32, lr=0.0,
+                      eval_every_epoch=False, eval_roots=12, init_from=str(tmp_path / "e" / "vllm-eagle")), **kw)
+    e, f = (FalconDrafter.from_pretrained(str(tmp_path / d), target.config) for d in "ef")
+    assert all(torch.equal(v, f.state_dict()[n]) for n, v in e.state_dict().items())
+    for bad, what in ((dict(layers=2), "num_layers"), (dict(draft_vocab=16), "draft_vocab_size"),
+                      (dict(block_order="reversed"), "block_order")):
+        with pytest.raises(ValueError, match=f"another architecture.*{what}"):
+            train(replace(base, out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "a"), **bad), **kw)
+
+
 def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
     train(TrainConfig(str(tmp_path / "e"), mode="eagle", epochs=1, batch_size=8, eval_every_epoch=False),
           samples=data, target=target, log=lambda *a: None)

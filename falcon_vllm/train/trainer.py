@@ -288,6 +288,28 @@ def forward(drafter, ids, feats, batch, net=None):
     return out
 
 
+INIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+               "head_dim", "num_layers", "k", "fusion", "fc_bias", "block_order", "draft_vocab_size")
+
+
+def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
+    """Load the weights of a trained drafter (Falcon format, or vLLM's EAGLE layout) into ``drafter``,
+    whose architecture must be the same, head and ``d2t`` map included.  Returns the provenance kept in
+    the new drafter's training record: {"drafter": name, "training": the old drafter's own record}."""
+    with open(os.path.join(directory, "config.json")) as f:
+        falcon_format = "falcon" in json.load(f)
+    load = FalconDrafter.from_pretrained if falcon_format else FalconDrafter.from_vllm_eagle
+    src = load(directory, target_config)
+    diff = [f"{n} {getattr(src.config, n)!r} (run: {getattr(drafter.config, n)!r})" for n in INIT_FIELDS
+            if getattr(src.config, n) != getattr(drafter.config, n)]
+    if diff:
+        raise ValueError(f"falcon-vllm: train: --init-from {directory} is another architecture than this run's: "
+                         + ", ".join(diff))
+    drafter.load_state_dict(src.state_dict())
+    return {"drafter": os.path.basename(os.path.normpath(directory)),
+            "training": src.config.extra.get("training")}
+
+
 def to_device(batch: dict, device) -> dict:
     return {n: v.to(device, non_blocking=True) for n, v in batch.items()}
 
@@ -393,10 +415,11 @@ class TrainConfig:
     max_conversations: int | None = None  # train on the first N training conversations only
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
     train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
+    init_from: str | None = None          # start from this drafter's weights (same architecture and head)
 
     def record(self) -> dict:
         """The fields without the machine's paths (the training record ships with the drafter)."""
-        return {n: v for n, v in asdict(self).items() if not n.endswith("_dir")}
+        return {n: v for n, v in asdict(self).items() if not n.endswith("_dir") and n != "init_from"}
 
 
 def random_state(rng: random.Random, gen: torch.Generator) -> dict:
@@ -479,7 +502,10 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
                                     draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order)
     drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
-    if dcfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
+    init_record = None
+    if cfg.init_from:  # continue a trained drafter (its head and d2t map included) with a fresh schedule
+        init_record = init_weights(drafter, cfg.init_from, target.config)
+    elif dcfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
         drafter.init_draft_head(frequent_tokens(train_set, dcfg.draft_vocab_size, dcfg.vocab_size),
                                 target.get_output_embeddings().weight)
     for p in target.parameters():
@@ -559,6 +585,8 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
     # the training record (draft_vocab as the drafter has it: None when it is the whole vocabulary)
     dcfg.extra = {"training": {**cfg.record(), "draft_vocab": dcfg.draft_vocab_size, "steps": state["step"],
                                "heldout": final}}
+    if init_record is not None:  # the run it continued (its own record, chained)
+        dcfg.extra["training"]["init_from"] = init_record
     drafter.eval()
     save_dtype = getattr(torch, cfg.save_dtype) if cfg.save_dtype else None
     drafter.save_pretrained(cfg.out_dir, dtype=save_dtype)
@@ -696,6 +724,9 @@ def add_arguments(p):
                         "reversed = its last, whose input is the newest")
     p.add_argument("--max-conversations", type=int, default=None,
                    help="train on the first N training conversations only (the held-out set is unchanged)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this trained drafter's weights (same architecture and draft head; a new "
+                        "optimiser and schedule: e.g. to train a shipped drafter further)")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank its LOCAL_RANK GPU)")
@@ -724,7 +755,8 @@ def main(args):
                       logit_positions=args.logit_positions or None, max_context=args.max_context or None,
                       eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
                       max_conversations=args.max_conversations, device=args.device,
-                      train_draft_head=not args.freeze_draft_head, block_order=args.block_order)
+                      train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
+                      init_from=args.init_from)
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
