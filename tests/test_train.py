@@ -227,6 +227,44 @@ class _FakeChatTokenizer:
         return out + ([3] if add_generation_prompt else [])
 
 
+class _FakeTokenizer(_FakeChatTokenizer):
+    pad_token_id, eos_token_id = 0, 4
+
+
+def test_gen_data_answers_file_reproduces_the_data(tmp_path, target, monkeypatch):
+    """--save-answers keeps the generated tokens; a run given them featurizes them without generating, into
+    the same shards; a file made with other settings or for other prompts is refused."""
+    from falcon_vllm.train import gen_data
+
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}" * (1 + i % 3)}, {"from": "gpt", "value": "a"}]}
+             for i in range(10)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    kw = dict(model=target, tokenizer=_FakeTokenizer(), data=str(tmp_path / "sg.json"), backend="hf", shard_size=4)
+    gen_data.run("tiny", str(tmp_path / "a"), 6, 8, **kw)
+    assert gen_data.save_answers(str(tmp_path / "a"), str(tmp_path / "ans.safetensors")) == 6
+
+    def no_generate(*a, **k):
+        raise AssertionError("stored conversations must not be generated again")
+    monkeypatch.setattr(gen_data, "greedy_batch", no_generate)
+    with pytest.raises(AssertionError, match="must not be generated"):  # conversations 6-9 are not stored
+        gen_data.run("tiny", str(tmp_path / "b"), 10, 8, answers=str(tmp_path / "ans.safetensors"), **kw)
+    b = gen_data.run("tiny", str(tmp_path / "c"), 4, 8, answers=str(tmp_path / "ans.safetensors"), **kw)
+    shards = json.loads((b / "manifest.json").read_text())["shards"]
+    assert [sh["from_answers"] for sh in shards] == [True]
+    a_s, b_s = load_shards(str(tmp_path / "a"))[:4], load_shards(str(b))
+    assert len(b_s) == 4 and all(torch.equal(x.tokens, y.tokens) and torch.equal(x.loss_mask, y.loss_mask)
+                                 and torch.equal(x.features, y.features) for x, y in zip(a_s, b_s))
+    with pytest.raises(ValueError, match="other settings: max_new_tokens '8' \\(this run: '9'\\)"):
+        gen_data.run("tiny", str(tmp_path / "d"), 4, 9, answers=str(tmp_path / "ans.safetensors"), **kw)
+    (tmp_path / "sg2.json").write_text(json.dumps(convs[1:]))  # other prompts, same settings
+    with pytest.raises(ValueError, match="conversation 0 does not begin with this data's prompt"):
+        gen_data.run("tiny", str(tmp_path / "e"), 4, 8, answers=str(tmp_path / "ans.safetensors"),
+                     **{**kw, "data": str(tmp_path / "sg2.json")})
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="could not be read"):
+        gen_data.run("tiny", str(tmp_path / "f"), 4, 8, answers=str(tmp_path / "bad.safetensors"), **kw)
+
+
 def test_gen_data_two_turns(target):
     from falcon_vllm.train.gen_data import multi_turn
 

@@ -7,6 +7,10 @@ is what greedy serving verifies against), and stores per conversation the tokens
 assistant-only loss mask and the target's final-norm hidden states (bf16) in sharded safetensors
 files plus ``manifest.json``.  Resumable: finished shards are skipped.  Never downloads anything.
 
+The generated token sequences alone (no hidden states: a few MB) can be kept with ``--save-answers FILE``
+and given back with ``--answers FILE``: a later run then only featurizes the conversations the file holds (one
+prefill pass, about half of gen-data's time) and generates the rest, so a dataset grows run after run.
+
 Shard layout (``shard_00000.safetensors``): ``tokens`` [T] int32, ``loss_mask`` [T] uint8,
 ``hidden`` [T, H] bf16, ``offsets`` [n+1] int64 (conversation i is ``offsets[i]:offsets[i+1]``).
 """
@@ -235,16 +239,66 @@ def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids
     return featurize_batch(model, seqs, masks)
 
 
+ANSWER_KEYS = ("target", "max_new_tokens", "max_turns", "max_total_tokens", "max_prompt_tokens",
+               "skip_conversations")
+
+
+def save_answers(out_dir: str, path: str) -> int:
+    """Write the token sequences and loss masks of a gen-data directory's shards (contiguous from the first;
+    no hidden states) into one safetensors file, with the generation settings as metadata.  Returns the
+    number of conversations written."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    man = json.loads(Path(out_dir, "manifest.json").read_text())
+    toks, masks, offsets = [], [], [0]
+    for i, sh in enumerate(sorted(man["shards"], key=lambda sh: sh["file"])):
+        if sh["file"] != f"shard_{i:05d}.safetensors":
+            break  # a gap: later shards are not contiguous with the file's conversation indices
+        with safe_open(str(Path(out_dir, sh["file"])), "pt") as f:
+            t, m, off = f.get_tensor("tokens"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
+        toks.append(t)
+        masks.append(m)
+        offsets += (off[1:] + offsets[-1]).tolist()
+    meta = {k: str(man.get(k)) for k in ANSWER_KEYS}
+    meta["conversations"] = str(len(offsets) - 1)
+    tmp = path + ".tmp"
+    save_file({"tokens": torch.cat(toks).to(torch.int32), "loss_mask": torch.cat(masks).to(torch.uint8),
+               "offsets": torch.tensor(offsets, dtype=torch.int64)}, tmp, metadata=meta)
+    os.replace(tmp, path)
+    return len(offsets) - 1
+
+
+def load_answers(path: str, expect: dict) -> list[tuple[list[int], list[int]]]:
+    """(tokens, loss mask) per conversation of a ``save_answers`` file, after checking that it was generated
+    with the settings in ``expect`` (clear error naming each difference)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            t, m, off = f.get_tensor("tokens"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
+    except Exception as e:  # missing file, corrupt header, missing tensor
+        raise ValueError(f"falcon-vllm: gen-data: --answers {path} could not be read ({type(e).__name__}: {e})") from None
+    diff = [f"{k} {meta.get(k)!r} (this run: {str(expect[k])!r})" for k in ANSWER_KEYS if meta.get(k) != str(expect[k])]
+    if diff:
+        raise ValueError(f"falcon-vllm: gen-data: --answers {path} was generated with other settings: " + ", ".join(diff))
+    off = off.tolist()
+    return [(t[a:b].tolist(), m[a:b].tolist()) for a, b in zip(off[:-1], off[1:])]
+
+
 def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_tokens: int = 160,
         batch_size: int = 8, shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None,
         model=None, tokenizer=None, max_turns: int = 1, max_total_tokens: int = 1024, backend: str = "hf",
-        skip_conversations: int = 0):
+        skip_conversations: int = 0, answers: str | None = None):
     """Write ``shard_*.safetensors`` + ``manifest.json`` into ``out_dir`` (resumable by shard).
 
     ``backend``: ``vllm`` answers every shard's prompts in one continuous-batching call; ``hf``
     uses batched HF ``generate`` (``batch_size`` conversations at a time).  Hidden states come from
     batched HF prefill passes in both cases.  ``num_conversations`` None = every usable one.
     ``skip_conversations`` leaves the first conversations of the data out (kept for held-out use).
+    ``answers``: a ``save_answers`` file; shards whose conversations it holds are featurized from it, not
+    generated (each stored sequence must begin with its conversation's prompt).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -269,18 +323,34 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
     manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
-                "backend": backend, "skip_conversations": skip_conversations,
+                "max_prompt_tokens": max_prompt_tokens, "backend": backend, "skip_conversations": skip_conversations,
                 "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
     old = out / "manifest.json"
     if old.exists():  # resume: keep the measured figures of the shards already written
         manifest["shards"] = [sh for sh in json.loads(old.read_text()).get("shards", [])
                               if (out / sh["file"]).exists()]
     done = {sh["file"] for sh in manifest["shards"]}
+    stored = load_answers(answers, manifest) if answers else []
     generate = None
     bar = tqdm(total=len(prompts), desc=f"gen-data ({backend})", unit="conv")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
-        if not path.exists() or path.name not in done:
+        if (not path.exists() or path.name not in done) and shard[-1] < len(stored):  # featurize stored answers
+            t0 = time.time()
+            seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]
+            for i in shard:
+                if seqs[i - shard[0]][:len(prompts[i])] != prompts[i]:
+                    raise ValueError(f"falcon-vllm: gen-data: --answers {answers}: conversation {i} does not begin "
+                                     "with this data's prompt (another dataset, template or order)")
+            write_shard(path, featurize_batch(mdl, seqs, masks))
+            manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name]
+            manifest["shards"].append({"file": path.name, "conversations": len(shard),
+                                       "answer_tokens": sum(sum(m) for m in masks),
+                                       "tokens": sum(len(q) for q in seqs), "generate_s": 0.0, "from_answers": True,
+                                       "featurize_s": round(time.time() - t0, 2)})
+            manifest["shards"].sort(key=lambda sh: sh["file"])
+            (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        elif not path.exists() or path.name not in done:
             if generate is None:
                 if backend == "vllm":
                     from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
@@ -334,6 +404,10 @@ def add_arguments(p):
     p.add_argument("--max-turns", type=int, default=1,
                    help="assistant turns regenerated per conversation (later human turns from the data)")
     p.add_argument("--max-total-tokens", type=int, default=1024, help="cap on a conversation's tokens")
+    p.add_argument("--answers", default=None,
+                   help="a --save-answers file: its conversations are featurized from it instead of generated")
+    p.add_argument("--save-answers", default=None,
+                   help="after the run, write every conversation's tokens (no hidden states) to this file")
 
 
 def main(args):
@@ -343,6 +417,8 @@ def main(args):
     target = args.target or str(model_path())
     out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
-              backend=args.backend, skip_conversations=args.skip_conversations)
+              backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers)
     print(f"wrote {out}")
+    if args.save_answers:
+        print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")
     return 0

@@ -625,7 +625,8 @@ RECIPES = {
                 "epochs": 5, "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
                 "falcon_layers": 2, "falcon_block_order": "reversed", "draft_vocab": 8192,
                 "falcon_dir": "smollm2-135m-instruct", "eagle_dir": "smollm2-135m-instruct-eagle",
-                "eagle_ref_dir": "smollm2-135m-instruct-eagle-ref", "eagle_tree": "eagle-small"},
+                "eagle_ref_dir": "smollm2-135m-instruct-eagle-ref", "eagle_tree": "eagle-small",
+                "answers": "smollm2-sharegpt.safetensors"},
 }
 
 
@@ -660,9 +661,11 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
         backend = "hf"
+    # the recipe's conversations as generated before (tokens only, in the source tree): featurized, not generated
+    answers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers", r["answers"])
     t0 = time.time()
     gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], shard_size=r["shard_size"],
-                 backend=backend)
+                 backend=backend, answers=answers if os.path.exists(answers) else None)
     t_data = time.time() - t0
     common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
                   draft_vocab=r["draft_vocab"], save_dtype="bfloat16", device=device)
