@@ -193,6 +193,11 @@ def test_cached_teacher_matches_full_teacher(target, data):
     l0, p0 = losses(d, pred, plain, plain["loss"], 0.1, 0.9)
     l1, p1 = losses(d, pred, cached, cached["loss"], 0.1, 0.9)
     assert abs(p0["soft"] - p1["soft"]) < 1e-4 and abs(p0["ce"] - p1["ce"]) < 1e-4 and abs(float(l0 - l1)) < 1e-4
+    # chunks of rows across conversations (a chunk boundary inside a conversation) give the same cache
+    small = teacher_cache(data[:4], target.get_output_embeddings(), topk=64, chunk=7)
+    assert all(torch.allclose(a[n].float(), b[n].float(), atol=1e-5) for a, b in zip(cache, small) for n in a)
+    assert all(torch.equal(a["arg"], b["arg"]) for a, b in zip(cache, small))
+    assert int((cache[0]["arg"] >= 0).sum()) == int(data[0].loss_mask[1:].sum())   # every answer-predicting row
     # a random subset of the loss positions for the LM head: a subset, of the requested size
     sub = subsample(plain["loss"], 50, torch.Generator().manual_seed(0))
     assert int(sub.sum()) == 50 and not (sub & ~plain["loss"]).any()

@@ -86,6 +86,7 @@ def make_batch(samples: list[Sample], k: int, max_len: int):
 
 
 @torch.inference_mode()
+@torch.no_grad()
 def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int = 1024):
     # (runs where lm_head lives; the cache is kept on the CPU)
     """The frozen teacher over each answer-predicting feature, computed once instead of every step.
@@ -94,25 +95,30 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     token ids and logits, logsumexp(t) and logsumexp(t/T).  Rows not computed have ``arg`` = -1.
     The soft loss then uses the teacher distribution truncated to its top-``topk`` (exact when
     ``topk`` = vocab; the mass outside the top-64 is small for a greedy self-distilled target).
+    The rows of all conversations go through the head in chunks of exactly ``chunk`` rows: logits of
+    one size, allocated again and again (per-conversation sizes fragmented the CPU heap into tens of GB).
     """
-    out = []
     topk = min(topk, lm_head.weight.shape[0])
-    for s in samples:
-        L = len(s.tokens)
-        rows = (s.loss_mask[1:].bool()).nonzero().flatten()  # feature i predicts token i+1
+    rows = [s.loss_mask[1:].bool().nonzero().flatten() for s in samples]  # feature i predicts token i+1
+    feats = torch.cat([s.features[r] for s, r in zip(samples, rows)]) if samples else torch.zeros(0, 1)
+    parts = {"arg": [], "idx": [], "val": [], "lse": [], "lseT": []}
+    for a in range(0, feats.shape[0], chunk):
+        lg = lm_head(feats[a:a + chunk].to(lm_head.weight.device).float()).float()
+        v, i = lg.topk(topk, dim=-1)
+        for n, t in (("arg", i[:, 0]), ("idx", i.int()), ("val", v), ("lse", lg.logsumexp(-1)),
+                     ("lseT", (lg / T).logsumexp(-1))):
+            parts[n].append(t.cpu())
+    flat = {n: torch.cat(p) if p else None for n, p in parts.items()}
+    out, o = [], 0
+    for s, r in zip(samples, rows):
+        L, m = len(s.tokens), r.numel()
         c = {"arg": torch.full((L,), -1, dtype=torch.long), "idx": torch.zeros(L, topk, dtype=torch.int32),
              "val": torch.zeros(L, topk), "lse": torch.zeros(L), "lseT": torch.zeros(L)}
-        for a in range(0, rows.numel(), chunk):
-            r = rows[a:a + chunk]
-            lg = lm_head(s.features[r].to(lm_head.weight.device).float()).float()
-            v, i = (t.cpu() for t in lg.topk(topk, dim=-1))
-            lg = lg.cpu()
-            c["arg"][r] = i[:, 0]
-            c["idx"][r] = i.int()
-            c["val"][r] = v
-            c["lse"][r] = lg.logsumexp(-1)
-            c["lseT"][r] = (lg / T).logsumexp(-1)
+        for n in c:
+            if m:
+                c[n][r] = flat[n][o:o + m].to(c[n].dtype)
         out.append(c)
+        o += m
     return out
 
 
