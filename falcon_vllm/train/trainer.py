@@ -632,7 +632,9 @@ RECIPES = {
                 "falcon_layers": 2, "falcon_block_order": "reversed", "draft_vocab": 8192,
                 "falcon_dir": "smollm2-135m-instruct", "eagle_dir": "smollm2-135m-instruct-eagle",
                 "eagle_ref_dir": "smollm2-135m-instruct-eagle-ref", "eagle_tree": "eagle-small",
-                "answers": "smollm2-sharegpt.safetensors"},
+                "answers": "smollm2-sharegpt.safetensors",
+                # then both drafters trained further on the same data: 4 epochs, lr 1e-3, a new schedule
+                "continue": [{"epochs": 4, "lr": 1e-3}]},
 }
 
 
@@ -675,19 +677,27 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     t_data = time.time() - t0
     common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
                   draft_vocab=r["draft_vocab"], save_dtype="bfloat16", device=device)
-    fal = train(TrainConfig(os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"],
-                            layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
-                            **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}),
-                log=log)
-    eag = train(TrainConfig(os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common), log=log)
+
+    def staged(out: str, **kw) -> dict:  # each later stage continues the one before (new optimiser and schedule)
+        res, prev = None, None
+        for i, stage in enumerate([{}] + r.get("continue", [])):
+            d = out if i == 0 else f"{out}-stage{i + 1}"
+            res = train(TrainConfig(d, **{**kw, **stage, "init_from": prev}), log=log)
+            prev = d
+        return res
+
+    fal = staged(os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"],
+                 layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
+                 **{**common, "epochs": r.get("falcon_epochs", r["epochs"])})
+    eag = staged(os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
            "eagle": eag["final"],
            "total_seconds": round(time.time() - t0, 1)}
     if install:
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
-        install_drafter(os.path.join(work, "falcon"), os.path.join(shipped, r["falcon_dir"]))
-        install_drafter(os.path.join(work, "eagle", "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
-        install_drafter(os.path.join(work, "eagle"), os.path.join(shipped, r["eagle_ref_dir"]))
+        install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]))
+        install_drafter(os.path.join(eag["out"], "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
+        install_drafter(eag["out"], os.path.join(shipped, r["eagle_ref_dir"]))
         out["installed"] = [r["falcon_dir"], r["eagle_dir"], r["eagle_ref_dir"]]
     with open(os.path.join(work, "recipe_log.json"), "w") as f:
         json.dump(out, f, indent=1)
