@@ -1,6 +1,7 @@
 """Training pipeline on a tiny random target: data, glancing, a training step, resume, acceptance."""
 
 import json
+import os
 import random
 from dataclasses import asdict, replace
 
@@ -340,3 +341,29 @@ def test_ddp_two_processes_gloo(tmp_path):
     with pytest.raises(ValueError, match="written by 2 processes"):
         train(TrainConfig(str(tmp_path / "run"), k=2, fusion="fc", epochs=3, batch_size=4, draft_vocab=48), samples=[],
               target=target)
+
+
+def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
+    """The smollm2 recipe: gen-data from the stored answers, then each drafter's stage 2 continues stage 1
+    (init_from, its own epochs and lr), and what is installed is the last stage (stubs: no real training)."""
+    from falcon_vllm import models
+    from falcon_vllm.train import gen_data, trainer
+
+    seen, calls = [], {}
+    monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")
+    monkeypatch.setattr(gen_data, "run", lambda *a, **k: calls.update(gen=k))
+    monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
+    installed = []
+    monkeypatch.setattr(trainer, "install_drafter", lambda src, dst: installed.append((src, os.path.basename(dst))))
+    (tmp_path / "w").mkdir()  # (gen-data, stubbed here, makes it)
+    trainer.run_recipe("smollm2", str(tmp_path / "w"), log=lambda *a: None)
+    assert calls["gen"]["answers"] and os.path.exists(calls["gen"]["answers"])   # shipped answers, featurized
+    w = str(tmp_path / "w")
+    got = [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr)
+           for c in seen]
+    assert got == [("falcon", "falcon", None, 5, 2e-3), ("falcon", "falcon-stage2", "falcon", 4, 1e-3),
+                   ("eagle", "eagle", None, 5, 2e-3), ("eagle", "eagle-stage2", "eagle", 4, 1e-3)]
+    assert {c.layers for c in seen[:2]} == {2} and {c.block_order for c in seen[:2]} == {"reversed"}
+    assert [(os.path.relpath(s, w), d) for s, d in installed] == [
+        ("falcon-stage2", "smollm2-135m-instruct"), ("eagle-stage2/vllm-eagle", "smollm2-135m-instruct-eagle"),
+        ("eagle-stage2", "smollm2-135m-instruct-eagle-ref")]
