@@ -86,10 +86,7 @@ def main(argv=None) -> int:
         label, _, path = item.partition("=")
         if not path:
             raise SystemExit(f"heldout_eval: --drafter takes label=<dir>, got {item!r}")
-        try:
-            d = FalconDrafter.from_pretrained(path, target.config)
-        except ValueError:  # vLLM's EAGLE layout: the k=1 fc drafter it is
-            d = FalconDrafter.from_vllm_eagle(path, target.config)
+        d = FalconDrafter.load(path, target.config)  # ours, or vLLM's EAGLE layout (the k=1 fc drafter it is)
         d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
         tree = d.config.tree if a.tree == "own" else a.tree
         for name, samples in sets.items():

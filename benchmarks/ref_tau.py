@@ -30,7 +30,6 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from falcon_vllm.config import read_config_json
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import load_chat_prompts, model_path
     from falcon_vllm.reference import FalconReferenceEngine
@@ -48,9 +47,7 @@ def main(argv=None):
     for spec in a.drafter:
         label, rest = spec.split("=", 1)
         ddir, tree = rest.rsplit(":", 1)
-        falcon_format = "falcon" in read_config_json(ddir, kind="drafter")[0]
-        load = FalconDrafter.from_pretrained if falcon_format else FalconDrafter.from_vllm_eagle
-        eng = FalconReferenceEngine(target, load(ddir, target.config), tree)
+        eng = FalconReferenceEngine(target, FalconDrafter.load(ddir, target.config), tree)
         acc, same, t0 = [], True, time.time()
         for pr, ref in tqdm(list(zip(prompts, refs)), desc=label):
             r = eng.generate(pr, a.max_new_tokens)

@@ -312,6 +312,12 @@ class FalconDrafter(nn.Module):
         return model.to(dtype).eval()
 
     @classmethod
+    def load(cls, directory: str, target_config=None, dtype=torch.float32) -> "FalconDrafter":
+        """A drafter in either layout: ours (config.json has a ``falcon`` section) or vLLM's EAGLE-1 layout."""
+        d, _ = read_config_json(directory, kind="drafter")
+        return (cls.from_pretrained if "falcon" in d else cls.from_vllm_eagle)(directory, target_config, dtype)
+
+    @classmethod
     def from_vllm_eagle(cls, directory: str, target_config=None, dtype=torch.float32) -> "FalconDrafter":
         """Load an EAGLE-1 drafter stored in vLLM's ``method: "eagle"`` layout (a Llama config without
         a ``falcon`` section; the files :func:`falcon_vllm.train.trainer.export_vllm_eagle` writes) as

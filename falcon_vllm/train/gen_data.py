@@ -335,47 +335,41 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     bar = tqdm(total=len(prompts), desc=f"gen-data ({backend})", unit="conv")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
-        if (not path.exists() or path.name not in done) and shard[-1] < len(stored):  # featurize stored answers
-            t0 = time.time()
-            seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]
-            for i in shard:
-                if seqs[i - shard[0]][:len(prompts[i])] != prompts[i]:
-                    raise ValueError(f"falcon-vllm: gen-data: --answers {answers}: conversation {i} does not begin "
-                                     "with this data's prompt (another dataset, template or order)")
-            write_shard(path, featurize_batch(mdl, seqs, masks))
-            manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name]
-            manifest["shards"].append({"file": path.name, "conversations": len(shard),
-                                       "answer_tokens": sum(sum(m) for m in masks),
-                                       "tokens": sum(len(q) for q in seqs), "generate_s": 0.0, "from_answers": True,
-                                       "featurize_s": round(time.time() - t0, 2)})
-            manifest["shards"].sort(key=lambda sh: sh["file"])
-            (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        elif not path.exists() or path.name not in done:
-            if generate is None:
-                if backend == "vllm":
-                    from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
+        if not path.exists() or path.name not in done:
+            from_answers = shard[-1] < len(stored)
+            if from_answers:  # featurize the stored answers
+                seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]
+                for i, q in zip(shard, seqs):
+                    if q[:len(prompts[i])] != prompts[i]:
+                        raise ValueError(f"falcon-vllm: gen-data: --answers {answers}: conversation {i} does not "
+                                         "begin with this data's prompt (another dataset, template or order)")
+            else:
+                if generate is None:
+                    if backend == "vllm":
+                        from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
 
-                    generate = VLLMGenerator(target_dir, max_total_tokens + max_new_tokens)
-                else:
-                    generate = hf_generator(mdl, pad, eos)
-            t0 = time.time()
-            groups = [shard] if backend == "vllm" else [shard[b:b + batch_size] for b in range(0, len(shard), batch_size)]
-            seqs, masks = [], []
-            for idx in groups:
-                s, m = answer_turns(generate, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
-                                    max_new_tokens, eos, max_turns, max_total_tokens)
-                seqs += s
-                masks += m
-            if backend == "vllm":  # the engine's threads would slow the prefill down; a new one per shard
-                generate.close()
-                generate = None
+                        generate = VLLMGenerator(target_dir, max_total_tokens + max_new_tokens)
+                    else:
+                        generate = hf_generator(mdl, pad, eos)
+                t0 = time.time()  # the engine's start-up is not generation time
+                groups = [shard] if backend == "vllm" else [shard[b:b + batch_size] for b in range(0, len(shard), batch_size)]
+                seqs, masks = [], []
+                for idx in groups:
+                    s, m = answer_turns(generate, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
+                                        max_new_tokens, eos, max_turns, max_total_tokens)
+                    seqs += s
+                    masks += m
+                if backend == "vllm":  # the engine's threads would slow the prefill down; a new one per shard
+                    generate.close()
+                    generate = None
             t1 = time.time()
             write_shard(path, featurize_batch(mdl, seqs, masks))
-            answer_tokens = sum(sum(m) for m in masks)
-            manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name]
-            manifest["shards"].append({"file": path.name, "conversations": len(shard), "answer_tokens": answer_tokens,
-                                       "tokens": sum(len(s) for s in seqs), "generate_s": round(t1 - t0, 2),
-                                       "featurize_s": round(time.time() - t1, 2)})
+            entry = {"file": path.name, "conversations": len(shard), "answer_tokens": sum(sum(m) for m in masks),
+                     "tokens": sum(len(q) for q in seqs), "generate_s": 0.0 if from_answers else round(t1 - t0, 2),
+                     "featurize_s": round(time.time() - t1, 2)}
+            if from_answers:
+                entry["from_answers"] = True
+            manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name] + [entry]
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
         bar.update(len(shard))

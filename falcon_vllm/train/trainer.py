@@ -86,7 +86,6 @@ def make_batch(samples: list[Sample], k: int, max_len: int):
 
 
 @torch.inference_mode()
-@torch.no_grad()
 def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int = 1024):
     # (runs where lm_head lives; the cache is kept on the CPU)
     """The frozen teacher over each answer-predicting feature, computed once instead of every step.
@@ -96,7 +95,8 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     The soft loss then uses the teacher distribution truncated to its top-``topk`` (exact when
     ``topk`` = vocab; the mass outside the top-64 is small for a greedy self-distilled target).
     The rows of all conversations go through the head in chunks of exactly ``chunk`` rows: logits of
-    one size, allocated again and again (per-conversation sizes fragmented the CPU heap into tens of GB).
+    one size, allocated again and again (with per-conversation sizes a 3,584-conversation cache grew past
+    24 GB on CPU, most likely heap fragmentation; this way it stays near the size of its inputs).
     """
     topk = min(topk, lm_head.weight.shape[0])
     rows = [s.loss_mask[1:].bool().nonzero().flatten() for s in samples]  # feature i predicts token i+1
@@ -302,10 +302,7 @@ def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
     """Load the weights of a trained drafter (Falcon format, or vLLM's EAGLE layout) into ``drafter``,
     whose architecture must be the same, head and ``d2t`` map included.  Returns the provenance kept in
     the new drafter's training record: {"drafter": name, "training": the old drafter's own record}."""
-    with open(os.path.join(directory, "config.json")) as f:
-        falcon_format = "falcon" in json.load(f)
-    load = FalconDrafter.from_pretrained if falcon_format else FalconDrafter.from_vllm_eagle
-    src = load(directory, target_config)
+    src = FalconDrafter.load(directory, target_config)
     diff = [f"{n} {getattr(src.config, n)!r} (run: {getattr(drafter.config, n)!r})" for n in INIT_FIELDS
             if getattr(src.config, n) != getattr(drafter.config, n)]
     if diff:
