@@ -16,7 +16,8 @@ Configurations as in profile_step.py: vanilla, chain[:K], lookup[:K[:F[:L[:N]]]]
 tokens first, adaptive from L tokens when given, n-grams of N (default 2) to 4 tokens; Falcon's chain of F
 otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K] (vLLM's EAGLE, --eagle-drafter), ngram[:K],
 and falcon (the drafter's serving.json decides); a suffix
-``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``).
+``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``) and suffixes
+``%key=value`` more speculative-config options (e.g. ``falcon%draft_gemm_dtype=model``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,26 @@ from profile_step import ROOT, _spec  # noqa: E402  (its environment, its config
 
 
 def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = None):
+    cfg, *opts = cfg.split("%")  # falcon%draft_gemm_dtype=model: more speculative-config options
+    extra = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep:
+            raise SystemExit(f"falcon-vllm: ab_step: option {opt!r} in configuration {cfg!r} is not key=value")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
     cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
     if other:
         drafter = eagle_drafter = other
+    spec = _spec_for(cfg, drafter, num_spec_tokens, eagle_drafter)
+    if extra and spec is None:
+        raise SystemExit(f"falcon-vllm: ab_step: vanilla takes no speculative-config options ({opts})")
+    return spec if not extra else {**spec, **extra}
+
+
+def _spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None):
     kind, _, arg = cfg.partition(":")
     if kind == "eagle":
         return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}

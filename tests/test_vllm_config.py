@@ -49,6 +49,24 @@ def test_good_config_maps_to_eagle_plumbing(dirs):
     assert sc.draft_model_config.hf_config.falcon["k"] == 2
 
 
+def test_draft_gemm_dtype_reaches_the_drafter_config(dirs, monkeypatch):
+    """The option is carried to the drafter (model.gemm_dtype decides), absent when not given; the
+    environment's default is checked where the drafter loads."""
+    spec = {"method": "falcon", "model": str(dirs / "good")}
+    falcon = _config(dirs, dict(spec, draft_gemm_dtype="bfloat16")).speculative_config.draft_model_config.hf_config.falcon
+    assert falcon["draft_gemm_dtype"] == "bfloat16"
+    assert "draft_gemm_dtype" not in _config(dirs, spec).speculative_config.draft_model_config.hf_config.falcon
+    import torch
+
+    from falcon_vllm.vllm.model import gemm_dtype
+
+    assert gemm_dtype("model", torch.float32) is None and gemm_dtype("auto", torch.bfloat16) is None
+    assert gemm_dtype("bfloat16", torch.float32) == torch.bfloat16  # (CPU platform here)
+    assert gemm_dtype("auto", torch.float32) == (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None)
+    with pytest.raises(ValueError, match="must be one of"):
+        gemm_dtype("fp8", torch.float32)
+
+
 def test_default_tokens_and_chain_tree(dirs):
     assert _config(dirs, {"method": "falcon", "model": str(dirs / "good")}).speculative_config.num_speculative_tokens == 4
     sc = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "tree": "chain-6"}).speculative_config
@@ -81,6 +99,7 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{good}", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "falcon", "model": "{good}", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
+    ({"method": "falcon", "model": "{good}", "draft_gemm_dtype": "int8"}, "draft_gemm_dtype must be one of"),
 ])
 def test_bad_configs_give_one_clear_error(dirs, spec, err):
     spec = {k: (v.format(**{d: str(dirs / d) for d in os.listdir(dirs)}) if isinstance(v, str) else v)

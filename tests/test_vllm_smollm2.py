@@ -17,6 +17,12 @@ SHIPPED = os.path.join(os.path.dirname(__file__), "..", "falcon_vllm", "drafters
 N = 32
 
 
+@pytest.fixture(autouse=True)
+def serving_default(monkeypatch):
+    """The shipped drafter as served: draft_gemm_dtype auto (bf16 matmuls on CPUs that have them)."""
+    monkeypatch.setenv("FALCON_VLLM_DRAFT_GEMM_DTYPE", "auto")
+
+
 @pytest.fixture(scope="module")
 def prompts():
     from transformers import AutoTokenizer
@@ -95,3 +101,31 @@ def test_demo_command(capsys):
     assert "greedy outputs identical: True" in out
     tau = float(out.split("tau ")[1].split()[0])
     assert 1.0 <= tau <= 5.0
+
+
+@pytest.mark.parametrize("gemm", ["bfloat16", "model"])
+def test_drafter_gemm_dtype_keeps_outputs(prompts, vanilla, gemm):
+    """draft_gemm_dtype: the drafter's own matmuls (layers, fc, truncated head) in bf16 or in the model's
+    dtype; the shared embedding and every activation stay fp32, and the outputs stay vanilla's."""
+    import torch
+
+    llm = make_llm(model_path(), {"method": "falcon", "num_speculative_tokens": 2, "draft_gemm_dtype": gemm},
+                   max_model_len=1024, max_num_seqs=4)
+    try:
+        model = drafter_of(llm).model
+        while hasattr(model, "unwrap"):
+            model = model.unwrap()
+        want = torch.bfloat16 if gemm == "bfloat16" else torch.float32
+        gemms = {name: m for name, m in model.named_modules()
+                 if hasattr(m, "cpu_linear") and not name.endswith("embed_tokens")}  # the embedding is the target's
+        assert {"lm_head", "model.fc"} <= set(gemms) and any(n.endswith("qkv_proj") for n in gemms)
+        for name, m in gemms.items():
+            assert m.weight.dtype == want, name
+            assert getattr(m, "falcon_gemm_wrapped", False) == (gemm == "bfloat16"), name
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+        before = spec_counters(llm)
+        assert _greedy(llm, prompts) == vanilla
+        after = spec_counters(llm)
+        assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
+    finally:
+        shutdown_llm(llm)

@@ -6,6 +6,9 @@ import shutil
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the exact drafters of the tests need fp32 matmuls (neighbouring tokens of their torus embeddings differ
+# below bf16's precision), on every CPU alike; tests of the shipped drafter set auto (the serving default)
+os.environ.setdefault("FALCON_VLLM_DRAFT_GEMM_DTYPE", "model")
 
 from falcon_vllm.models import model_path  # noqa: E402
 from falcon_vllm.vllm.engine import counter_delta, shutdown_llm, spec_counters  # noqa: E402,F401 (for the tests)

@@ -18,19 +18,74 @@ vocabulary, since the stock proposer takes the argmax as a target id).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM, LlamaDecoderLayer
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+from vllm.platforms import current_platform
 
 from falcon_vllm.drafter import PositionwiseLSTM, official_weights
+from falcon_vllm.vllm.options import GEMM_DTYPE_ENV, GEMM_DTYPES
+
+
+def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the drafter's matmuls (weights and inputs; None: the model's dtype).  ``choice``: the
+    speculative config's ``draft_gemm_dtype``, else ``$FALCON_VLLM_DRAFT_GEMM_DTYPE``, else auto (the only
+    settings for vLLM's EAGLE proposer running :class:`EagleD2TLlamaForCausalLM`).
+
+    ``auto``: bfloat16 on a CPU with bf16 matmul units (AVX512-BF16 or AMX) serving an fp32 model, whose
+    drafter then reads half the weight bytes per pass; the model's dtype otherwise.  Activations between the
+    matmuls, the KV cache and the outputs keep the model's dtype; drafts change slightly, verification not at
+    all, so outputs stay exactly vanilla's."""
+    if choice not in GEMM_DTYPES:
+        raise ValueError(f"falcon-vllm: draft_gemm_dtype (or ${GEMM_DTYPE_ENV}) must be one of {GEMM_DTYPES}, "
+                         f"got {choice!r}")
+    if choice == "model" or model_dtype == torch.bfloat16:
+        return None
+    if not current_platform.is_cpu():
+        if choice == "bfloat16":
+            raise ValueError("falcon-vllm: draft_gemm_dtype 'bfloat16' is for CPU serving of fp32 models; on "
+                             "GPUs serve the target in bf16 instead (--dtype bfloat16)")
+        return None
+    if choice == "auto" and (model_dtype != torch.float32 or not torch.cpu._is_avx512_bf16_supported()):
+        return None
+    return torch.bfloat16
+
+
+def cast_gemm_weights(modules, dtype: torch.dtype | None) -> None:
+    """Before vLLM processes the loaded weights: the given linear layers' weights (and biases) to ``dtype``,
+    so its CPU GEMM dispatch packs them for ``dtype``; :func:`wrap_gemms` then casts their inputs."""
+    if dtype is None:
+        return
+    for m in modules:
+        for name in ("weight", "bias"):
+            p = getattr(m, name, None)
+            if isinstance(p, torch.Tensor) and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        m.falcon_gemm_dtype = dtype
+
+
+def wrap_gemms(model: nn.Module) -> int:
+    """After vLLM processed the weights: layers cast by :func:`cast_gemm_weights` take inputs in the model's
+    dtype, multiply in theirs and return the model's dtype.  Returns the number of layers wrapped."""
+    n = 0
+    for m in model.modules():
+        dt = getattr(m, "falcon_gemm_dtype", None)
+        inner = getattr(m, "cpu_linear", None)
+        if dt is None or inner is None or getattr(m, "falcon_gemm_wrapped", False):
+            continue
+        m.cpu_linear = lambda x, w, b, inner=inner, dt=dt: inner(x.to(dt), w, b).to(x.dtype)
+        m.falcon_gemm_wrapped = True
+        n += 1
+    return n
 
 
 class FalconDraftModel(nn.Module):
@@ -90,6 +145,14 @@ class DraftHead:
             self.register_buffer("d2t", torch.full((n,), -1, dtype=torch.long), persistent=False)
         self.logits_processor = LogitsProcessor(n, scale=getattr(cfg, "logit_scale", 1.0))
 
+    def _cast_gemms(self) -> None:
+        """After loading: the drafter's own linear layers (and its truncated head) to its matmul dtype."""
+        choice = ((getattr(self.config, "falcon", None) or {}).get("draft_gemm_dtype")
+                  or os.environ.get(GEMM_DTYPE_ENV) or "auto")
+        dtype = gemm_dtype(choice, self.model_dtype)
+        own = [m for m in self.modules() if isinstance(m, LinearBase)] + ([self.lm_head] if self.truncated else [])
+        cast_gemm_weights(own, dtype)
+
     def _split_head_weights(self, weights):
         """Take ``d2t`` out of the weight stream (checked, into the buffer); yield the rest."""
         seen = False
@@ -121,6 +184,7 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.model_dtype = vllm_config.model_config.dtype
         self._init_head(prefix)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -131,7 +195,9 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
         return full.index_copy_(1, self.to_target_ids(torch.arange(logits.shape[1], device=logits.device)), logits)
 
     def load_weights(self, weights):
-        return super().load_weights(self._split_head_weights(weights))
+        loaded = super().load_weights(self._split_head_weights(weights))
+        self._cast_gemms()
+        return loaded
 
 
 class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
@@ -149,6 +215,7 @@ class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.model = FalconDraftModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                       start_layer_id=target_layers)
+        self.model_dtype = vllm_config.model_config.dtype
         self._init_head(prefix)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -172,4 +239,6 @@ class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         ours = official_weights(self._split_head_weights(weights), keep_lm_head=self.truncated)
         loader = AutoWeightsLoader(self)
-        return loader.load_weights((name if name.startswith("lm_head.") else "model." + name, w) for name, w in ours)
+        loaded = loader.load_weights((name if name.startswith("lm_head.") else "model." + name, w) for name, w in ours)
+        self._cast_gemms()
+        return loaded

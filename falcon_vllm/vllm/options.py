@@ -17,6 +17,9 @@ from falcon_vllm.config import FalconConfig
 from falcon_vllm.tree import build_tree
 from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
 
+GEMM_DTYPES = ("auto", "bfloat16", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
+GEMM_DTYPE_ENV = "FALCON_VLLM_DRAFT_GEMM_DTYPE"  # its default
+
 # Falcon-only options, removed before vLLM validates the rest:
 #   tree      a preset name ("falcon-llama", "chain-6", "tree-4x2x1"), a list of rank paths or a JSON
 #             file (e.g. from `falcon-vllm tune-tree`); sets K = number of nodes.  A chain runs in
@@ -25,9 +28,13 @@ from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
 #   falcon_tokens  with prompt lookup: the drafter's chain length where lookup finds nothing (default K)
 #   lookup_tokens  with prompt lookup: a request's lookup draft length after a rejection; it doubles after a
 #             fully accepted lookup draft, up to K (default K: every lookup draft up to K tokens)
+#   draft_gemm_dtype  "auto", "bfloat16" or "model": the dtype of the drafter's matmuls (default: the
+#             environment's FALCON_VLLM_DRAFT_GEMM_DTYPE, else auto).  auto is bfloat16 on CPUs with bf16 matmul
+#             units serving an fp32 model (the drafter reads half the weight bytes per pass), the model's dtype
+#             elsewhere; drafts may change slightly, outputs never do.
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
-FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens"}
+FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "draft_gemm_dtype"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -149,6 +156,9 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     want_k = sc.pop("falcon_k", None)
     if want_k is not None and want_k != cfg.k:
         raise ValueError(f"falcon-vllm: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
+    gemm = sc.pop("draft_gemm_dtype", None)
+    if gemm is not None and gemm not in GEMM_DTYPES:
+        raise ValueError(f"falcon-vllm: draft_gemm_dtype must be one of {list(GEMM_DTYPES)}, got {gemm!r}")
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
@@ -181,16 +191,17 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if lookup is not None and tree_mode:
         raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
                          "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
+    info = {} if gemm is None else {"draft_gemm_dtype": gemm}
     if tree_mode:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
-        info = {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
+        info |= {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
         if sized:
             schedule, info["subtrees"] = sized
             if sc.get("num_speculative_tokens_per_batch_size") is None:
                 sc["num_speculative_tokens_per_batch_size"] = schedule
         return sc, info
     sc.update(method="eagle", model=path, num_speculative_tokens=n)
-    info = {"mode": "chain", "num_speculative_tokens": n}
+    info |= {"mode": "chain", "num_speculative_tokens": n}
     if lookup is not None:
         lo, hi, falcon_tokens, lookup_tokens = lookup
         falcon_tokens = n if falcon_tokens is None else falcon_tokens

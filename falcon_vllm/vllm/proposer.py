@@ -51,6 +51,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm import lookup, patches, tree_verify
 from falcon_vllm.vllm.lookup import LookupState
+from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.paged_kv import tree_attention_scope
 from falcon_vllm.vllm.stash import BlockInputStash
 from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
@@ -127,6 +128,7 @@ class FalconProposer(EagleProposer):
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
+        wrap_gemms(unwrap_model(self.model))  # a drafter whose matmuls run in bf16 (model.gemm_dtype)
         if self.falcon:
             unwrap_model(self.model).attach_falcon_proposer()
 
