@@ -344,8 +344,9 @@ def test_ddp_two_processes_gloo(tmp_path):
 
 
 def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
-    """The smollm2 recipe: gen-data from the stored answers, then each drafter's stage 2 continues stage 1
-    (init_from, its own epochs and lr), and what is installed is the last stage (stubs: no real training)."""
+    """The smollm2 recipe: gen-data from the stored answers, then each drafter's later stages continue the one
+    before (init_from, their own epochs, lr and training conversations), and what is installed is the last
+    stage (stubs: no real training)."""
     from falcon_vllm import models
     from falcon_vllm.train import gen_data, trainer
 
@@ -359,11 +360,13 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     trainer.run_recipe("smollm2", str(tmp_path / "w"), log=lambda *a: None)
     assert calls["gen"]["answers"] and os.path.exists(calls["gen"]["answers"])   # shipped answers, featurized
     w = str(tmp_path / "w")
-    got = [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr)
-           for c in seen]
-    assert got == [("falcon", "falcon", None, 5, 2e-3), ("falcon", "falcon-stage2", "falcon", 4, 1e-3),
-                   ("eagle", "eagle", None, 5, 2e-3), ("eagle", "eagle-stage2", "eagle", 4, 1e-3)]
-    assert {c.layers for c in seen[:2]} == {2} and {c.block_order for c in seen[:2]} == {"reversed"}
+    got = [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr,
+            c.max_conversations) for c in seen]
+    assert got == [("falcon", "falcon", None, 5, 2e-3, 3360), ("falcon", "falcon-stage2", "falcon", 4, 1e-3, 3360),
+                   ("falcon", "falcon-stage3", "falcon-stage2", 2, 1e-3, None),
+                   ("eagle", "eagle", None, 5, 2e-3, 3360), ("eagle", "eagle-stage2", "eagle", 4, 1e-3, 3360),
+                   ("eagle", "eagle-stage3", "eagle-stage2", 2, 1e-3, None)]
+    assert {c.layers for c in seen[:3]} == {2} and {c.block_order for c in seen[:3]} == {"reversed"}
     assert [(os.path.relpath(s, w), d) for s, d in installed] == [
-        ("falcon-stage2", "smollm2-135m-instruct"), ("eagle-stage2/vllm-eagle", "smollm2-135m-instruct-eagle"),
-        ("eagle-stage2", "smollm2-135m-instruct-eagle-ref")]
+        ("falcon-stage3", "smollm2-135m-instruct"), ("eagle-stage3/vllm-eagle", "smollm2-135m-instruct-eagle"),
+        ("eagle-stage3", "smollm2-135m-instruct-eagle-ref")]
