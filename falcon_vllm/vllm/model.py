@@ -33,7 +33,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.platforms import current_platform
 
 from falcon_vllm.drafter import PositionwiseLSTM, official_weights
-from falcon_vllm.vllm.options import GEMM_DTYPE_ENV, GEMM_DTYPES
+from falcon_vllm.vllm.options import GEMM_DTYPE_ENV, check_gemm_dtype
 
 
 def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
@@ -45,9 +45,7 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     drafter then reads half the weight bytes per pass; the model's dtype otherwise.  Activations between the
     matmuls, the KV cache and the outputs keep the model's dtype; drafts change slightly, verification not at
     all, so outputs stay exactly vanilla's."""
-    if choice not in GEMM_DTYPES:
-        raise ValueError(f"falcon-vllm: draft_gemm_dtype (or ${GEMM_DTYPE_ENV}) must be one of {GEMM_DTYPES}, "
-                         f"got {choice!r}")
+    check_gemm_dtype(choice, f"draft_gemm_dtype (or ${GEMM_DTYPE_ENV})")
     if choice == "model" or model_dtype == torch.bfloat16:
         return None
     if not current_platform.is_cpu():
@@ -73,10 +71,9 @@ def cast_gemm_weights(modules, dtype: torch.dtype | None) -> None:
         m.falcon_gemm_dtype = dtype
 
 
-def wrap_gemms(model: nn.Module) -> int:
+def wrap_gemms(model: nn.Module) -> None:
     """After vLLM processed the weights: layers cast by :func:`cast_gemm_weights` take inputs in the model's
-    dtype, multiply in theirs and return the model's dtype.  Returns the number of layers wrapped."""
-    n = 0
+    dtype, multiply in theirs and return the model's dtype."""
     for m in model.modules():
         dt = getattr(m, "falcon_gemm_dtype", None)
         inner = getattr(m, "cpu_linear", None)
@@ -84,8 +81,6 @@ def wrap_gemms(model: nn.Module) -> int:
             continue
         m.cpu_linear = lambda x, w, b, inner=inner, dt=dt: inner(x.to(dt), w, b).to(x.dtype)
         m.falcon_gemm_wrapped = True
-        n += 1
-    return n
 
 
 class FalconDraftModel(nn.Module):
@@ -134,8 +129,9 @@ class DraftHead:
     """The LM head of an EAGLE-style drafter: the target's (shared by vLLM), or a truncated one of
     ``draft_vocab_size`` rows with its ``d2t`` map (loaded from the checkpoint, never defaulted)."""
 
-    def _init_head(self, prefix: str) -> None:
+    def _init_head(self, prefix: str, model_dtype: torch.dtype) -> None:
         cfg = self.config
+        self.model_dtype = model_dtype  # the dtype vLLM loads the weights in (before _cast_gemms)
         n = getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
         cfg.draft_vocab_size = n
         self.truncated = n < cfg.vocab_size
@@ -184,8 +180,7 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.model_dtype = vllm_config.model_config.dtype
-        self._init_head(prefix)
+        self._init_head(prefix, vllm_config.model_config.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.lm_head, hidden_states)  # [T, N] draft ids
@@ -215,8 +210,7 @@ class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.model = FalconDraftModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                       start_layer_id=target_layers)
-        self.model_dtype = vllm_config.model_config.dtype
-        self._init_head(prefix)
+        self._init_head(prefix, vllm_config.model_config.dtype)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)

@@ -20,6 +20,11 @@ from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
 GEMM_DTYPES = ("auto", "bfloat16", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
 GEMM_DTYPE_ENV = "FALCON_VLLM_DRAFT_GEMM_DTYPE"  # its default
 
+
+def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
+    if choice not in GEMM_DTYPES:
+        raise ValueError(f"falcon-vllm: {source} must be one of {list(GEMM_DTYPES)}, got {choice!r}")
+
 # Falcon-only options, removed before vLLM validates the rest:
 #   tree      a preset name ("falcon-llama", "chain-6", "tree-4x2x1"), a list of rank paths or a JSON
 #             file (e.g. from `falcon-vllm tune-tree`); sets K = number of nodes.  A chain runs in
@@ -157,8 +162,8 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if want_k is not None and want_k != cfg.k:
         raise ValueError(f"falcon-vllm: falcon_k={want_k!r} but the drafter at {path} was trained with k={cfg.k}")
     gemm = sc.pop("draft_gemm_dtype", None)
-    if gemm is not None and gemm not in GEMM_DTYPES:
-        raise ValueError(f"falcon-vllm: draft_gemm_dtype must be one of {list(GEMM_DTYPES)}, got {gemm!r}")
+    if gemm is not None:
+        check_gemm_dtype(gemm)
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
