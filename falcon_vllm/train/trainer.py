@@ -620,12 +620,12 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | Non
 
 
 RECIPES = {
-    # SmolLM2-135M-Instruct on a 2-core CPU: gen-data through vLLM (5632 ShareGPT first turns x up to 160
-    # greedy tokens; featurized from the stored answers in about 40 min, about 35 min per 2048 conversations
+    # SmolLM2-135M-Instruct on a 2-core CPU: gen-data through vLLM (8192 ShareGPT first turns x up to 160
+    # greedy tokens; featurized from the stored answers in about 50 min, about 30 min per 2048 conversations
     # when generated), then the Falcon drafter (k=2, fc fusion, CSGD, 2 decoder layers, reversed block order)
     # and the EAGLE-1 baseline (1 layer) in the same stages, on the same data with the same truncated head.
-    # Held out: the last 1/16 of the data (conversations 5280-5631).
-    "smollm2": {"num_conversations": 5632, "max_new_tokens": 160, "shard_size": 128, "backend": "vllm",
+    # Held out: the last 1/16 of the data (conversations 7680-8191).
+    "smollm2": {"num_conversations": 8192, "max_new_tokens": 160, "shard_size": 128, "backend": "vllm",
                 "epochs": 5, "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
                 "falcon_layers": 2, "falcon_block_order": "reversed", "draft_vocab": 8192,
                 "falcon_dir": "smollm2-135m-instruct", "eagle_dir": "smollm2-135m-instruct-eagle",
@@ -633,9 +633,10 @@ RECIPES = {
                 "answers": "smollm2-sharegpt.safetensors",
                 # stage 1: the first 3,360 conversations, 5 epochs (the draft head's tokens come from them)
                 "max_conversations": 3360,
-                # stage 2: the same conversations, 4 epochs, lr 1e-3, a new schedule; stage 3: all 5,280
-                # training conversations, 2 epochs
-                "continue": [{"epochs": 4, "lr": 1e-3}, {"epochs": 2, "lr": 1e-3, "max_conversations": None}]},
+                # each later stage: a new schedule from the weights before; stage 2: the same conversations,
+                # 4 epochs, lr 1e-3; stage 3: the first 5,280, 2 epochs; stage 4: all 7,680, 3 epochs
+                "continue": [{"epochs": 4, "lr": 1e-3}, {"epochs": 2, "lr": 1e-3, "max_conversations": 5280},
+                             {"epochs": 3, "lr": 1e-3, "max_conversations": None}]},
 }
 
 
