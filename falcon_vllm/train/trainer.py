@@ -621,7 +621,7 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | Non
 
 RECIPES = {
     # SmolLM2-135M-Instruct on a 2-core CPU: gen-data through vLLM (8192 ShareGPT first turns x up to 160
-    # greedy tokens; featurized from the stored answers in about 50 min, about 30 min per 2048 conversations
+    # greedy tokens; featurized from the stored answers in about an hour, about 30 min per 2048 conversations
     # when generated), then the Falcon drafter (k=2, fc fusion, CSGD, 2 decoder layers, reversed block order)
     # and the EAGLE-1 baseline (1 layer) in the same stages, on the same data with the same truncated head.
     # Held out: the last 1/16 of the data (conversations 7680-8191).
