@@ -25,6 +25,7 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
     if choice not in GEMM_DTYPES:
         raise ValueError(f"falcon-vllm: {source} must be one of {list(GEMM_DTYPES)}, got {choice!r}")
 
+
 # Falcon-only options, removed before vLLM validates the rest:
 #   tree      a preset name ("falcon-llama", "chain-6", "tree-4x2x1"), a list of rank paths or a JSON
 #             file (e.g. from `falcon-vllm tune-tree`); sets K = number of nodes.  A chain runs in
