@@ -158,8 +158,10 @@ MALFORMED = [  # (path, raw body or dict with "$model" for the model name)
 
 class Soak:
     def __init__(self, url: str, model: str, prompts: list[str], deadline: float, seed: int,
-                 p_abort: float, p_malformed: float, p_greedy: float):
+                 p_abort: float, p_malformed: float, p_greedy: float, min_completed: int = 0,
+                 hard_deadline: float | None = None):
         self.url, self.model, self.prompts, self.deadline = url, model, prompts, deadline
+        self.min_completed, self.hard_deadline = min_completed, deadline if hard_deadline is None else hard_deadline
         self.seed, self.p_abort, self.p_malformed, self.p_greedy = seed, p_abort, p_malformed, p_greedy
         self.greedy: dict[int, set[str]] = {}
         self.latency: list[float] = []
@@ -219,10 +221,16 @@ class Soak:
             else:
                 self.errors.append(f"malformed {path} {data[:80]!r}: status {r.status}")
 
+    def _going(self) -> bool:
+        """Clients run until the deadline, then on (up to the hard deadline) while fewer than
+        ``min_completed`` requests have completed: a slow machine gets a longer soak, not a weaker one."""
+        now = time.monotonic()
+        return now < self.deadline or (self.count["completed"] < self.min_completed and now < self.hard_deadline)
+
     async def client(self, k: int) -> None:
         rng = random.Random(self.seed * 1000 + k)
         async with _session() as session:
-            while time.monotonic() < self.deadline:
+            while self._going():
                 x = rng.random()
                 try:
                     if x < self.p_malformed:
@@ -292,9 +300,11 @@ def _percentile(xs: list[float], q: float) -> float | None:
 def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str, clients: int = 32,
          duration: float = 60.0, num_prompts: int = 24, max_words: int = 120, p_abort: float = 0.1,
          p_malformed: float = 0.1, p_greedy: float = 0.4, warmup_frac: float = 0.3, seed: int = 0,
-         max_rss_growth: float = 0.10) -> dict:
+         max_rss_growth: float = 0.10, min_completed: int = 0, max_duration: float | None = None) -> dict:
     """Run the soak (see the module docstring) -> a results dict; ``results["failures"]`` lists every
-    violated check (empty when the soak passed)."""
+    violated check (empty when the soak passed).  The clients stop after ``duration`` seconds, or later,
+    up to ``max_duration`` (default 4x ``duration``), while fewer than ``min_completed`` requests have
+    completed; completing fewer is a failure."""
     import urllib.request
 
     os.makedirs(workdir, exist_ok=True)
@@ -305,7 +315,8 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
     try:
         metrics0 = parse_metrics(get(url, "/metrics"))
         t0 = time.monotonic()
-        s = Soak(url, model, prompts, t0 + duration, seed, p_abort, p_malformed, p_greedy)
+        s = Soak(url, model, prompts, t0 + duration, seed, p_abort, p_malformed, p_greedy, min_completed,
+                 t0 + (4 * duration if max_duration is None else max_duration))
 
         async def main():
             task = asyncio.ensure_future(_run_clients(s, clients))
@@ -341,6 +352,9 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
         failures.append(f"greedy outputs differ from vanilla for prompts {mismatch}")
     if s.count["malformed_4xx"] != s.count["malformed"]:
         failures.append("a malformed request did not get a 4xx")
+    if s.count["completed"] < min_completed:
+        failures.append(f"only {s.count['completed']} requests completed in {elapsed:.0f} s (at least "
+                        f"{min_completed} wanted)")
     if growth is None or growth > max_rss_growth:
         failures.append(f"resident memory grew by {growth} after warm-up (limit {max_rss_growth})")
     lat = s.latency

@@ -1,5 +1,5 @@
 """Short soak of `falcon-vllm serve` in tree mode (benchmarks/soak_server.py is the long one): 32
-concurrent clients for 30 s on a tiny random target, streaming and not, aborts and malformed
+concurrent clients for 30 s (longer on a slow machine, until 48 requests completed) on a tiny random target, streaming and not, aborts and malformed
 requests; greedy answers equal a vanilla server's, memory flat, spec counters consistent."""
 
 import json
@@ -20,9 +20,9 @@ def test_short_soak_tree_mode(tmp_path):
     spec = {"method": "falcon", "model": str(tmp_path / "drafter"), "tree": "tree-3x2x1"}
     res = soak(target, ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"],
                ["--speculative-config", json.dumps(spec)], str(tmp_path), clients=32, duration=30.0,
-               max_words=100, max_rss_growth=0.15)
+               max_words=100, max_rss_growth=0.15, min_completed=48, max_duration=150.0)
     assert not res["failures"], markdown(res)
-    assert res["completed"] > 32 and res["aborted"] > 0 and res["malformed"] > 0 and res["greedy_prompts_checked"] > 5
+    assert res["completed"] >= 48 and res["aborted"] > 0 and res["malformed"] > 0 and res["greedy_prompts_checked"] > 5
 
 
 def test_spec_counter_checks():
