@@ -365,10 +365,12 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     assert got == [("falcon", "falcon", None, 5, 2e-3, 3360), ("falcon", "falcon-stage2", "falcon", 4, 1e-3, 3360),
                    ("falcon", "falcon-stage3", "falcon-stage2", 2, 1e-3, 5280),
                    ("falcon", "falcon-stage4", "falcon-stage3", 3, 1e-3, None),
+                   ("falcon", "falcon-stage5", "falcon-stage4", 2, 3e-4, None),
                    ("eagle", "eagle", None, 5, 2e-3, 3360), ("eagle", "eagle-stage2", "eagle", 4, 1e-3, 3360),
                    ("eagle", "eagle-stage3", "eagle-stage2", 2, 1e-3, 5280),
-                   ("eagle", "eagle-stage4", "eagle-stage3", 3, 1e-3, None)]
-    assert {c.layers for c in seen[:4]} == {2} and {c.block_order for c in seen[:4]} == {"reversed"}
+                   ("eagle", "eagle-stage4", "eagle-stage3", 3, 1e-3, None),
+                   ("eagle", "eagle-stage5", "eagle-stage4", 2, 3e-4, None)]
+    assert {c.layers for c in seen[:5]} == {2} and {c.block_order for c in seen[:5]} == {"reversed"}
     assert [(os.path.relpath(s, w), d) for s, d in installed] == [
-        ("falcon-stage4", "smollm2-135m-instruct"), ("eagle-stage4/vllm-eagle", "smollm2-135m-instruct-eagle"),
-        ("eagle-stage4", "smollm2-135m-instruct-eagle-ref")]
+        ("falcon-stage5", "smollm2-135m-instruct"), ("eagle-stage5/vllm-eagle", "smollm2-135m-instruct-eagle"),
+        ("eagle-stage5", "smollm2-135m-instruct-eagle-ref")]
