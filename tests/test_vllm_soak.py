@@ -1,6 +1,7 @@
 """Short soak of `falcon-vllm serve` in tree mode (benchmarks/soak_server.py is the long one): 32
-concurrent clients for 30 s (longer on a slow machine, until 48 requests completed) on a tiny random target, streaming and not, aborts and malformed
-requests; greedy answers equal a vanilla server's, memory flat, spec counters consistent."""
+concurrent clients for 30 s (longer on a slow machine, until 48 requests have completed) on a tiny random
+target, streaming and not, aborts and malformed requests; greedy answers equal a vanilla server's, memory
+flat, spec counters consistent."""
 
 import json
 
