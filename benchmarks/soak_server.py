@@ -32,6 +32,10 @@ def main() -> int:
     ap.add_argument("--tree", default="tree-2x2x1", help="tree preset, paths or file; a chain-N runs chain mode")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--duration", type=float, default=240.0, help="seconds of load")
+    ap.add_argument("--min-completed", type=int, default=0,
+                    help="keep the load on past --duration until this many requests completed (fewer is a failure)")
+    ap.add_argument("--max-duration", type=float, default=None,
+                    help="longest soak when --min-completed is not reached (default: 4x --duration)")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-words", type=int, default=300, help="longest prompt, words")
     ap.add_argument("--p-abort", type=float, default=0.1)
@@ -50,7 +54,8 @@ def main() -> int:
     spec = {"method": "falcon", "model": os.path.abspath(a.drafter), "tree": a.tree}
     res = soak(model, server_args, ["--speculative-config", json.dumps(spec)], a.workdir, clients=a.clients,
                duration=a.duration, num_prompts=a.num_prompts, max_words=a.max_words, p_abort=a.p_abort,
-               p_malformed=a.p_malformed, p_greedy=a.p_greedy, seed=a.seed, max_rss_growth=a.max_rss_growth)
+               p_malformed=a.p_malformed, p_greedy=a.p_greedy, seed=a.seed, max_rss_growth=a.max_rss_growth,
+               min_completed=a.min_completed, max_duration=a.max_duration)
     def local(text: str) -> str:  # results name the project's files, not where they lay on this machine
         return text.replace(os.path.dirname(HERE) + os.sep, "").replace(os.path.dirname(model) + os.sep, "")
 
