@@ -86,6 +86,27 @@ def test_glancing_replaces_exactly_what_it_claims(data):
         assert (pred[i, p] != teacher[i, p]).all()                # error-driven picks mispredictions
 
 
+def test_block_phase_trim_moves_block_levels(data):
+    """A trim of t last positions keeps every remaining label and moves the end-aligned blocks by t, so a
+    position that ended a block (level 1 in reversed order) starts one after a trim of 1 (k=2)."""
+    k = 2
+    a = make_batch(data[:3], k, 64)
+    b = make_batch(data[:3], k, 64, trim=[1, 0, 1])
+    assert b["lengths"].tolist() == [a["lengths"][0] - 1, a["lengths"][1], a["lengths"][2] - 1]
+    for i in range(3):
+        L = int(b["lengths"][i])
+        for key in ("ids_in", "lbl_ids", "feat_in", "feat_lbl", "loss"):
+            assert torch.equal(b[key][i, :L], a[key][i, :L])
+        assert not b["loss"][i, L:].any()
+        La = int(a["lengths"][i])
+        ends_a = {j for j in range(La) if (La - 1 - j) % k == 0}
+        ends_b = {j for j in range(L) if (L - 1 - j) % k == 0}
+        # a block's last row sees its block-mate (relaxed mask); its first row sees it too
+        for j in range(1, L):
+            assert bool(b["attn"][i, j - 1, j]) == (j in ends_b)
+        assert (ends_a & ends_b) == (set() if L != La else ends_a)
+
+
 def test_one_step_lowers_loss(target, data):
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.config import FalconConfig

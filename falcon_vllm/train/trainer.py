@@ -43,14 +43,21 @@ from falcon_vllm.tree import build_tree
 
 
 # ---------------------------------------------------------------------- batches
-def make_batch(samples: list[Sample], k: int, max_len: int):
+def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | None = None):
     """Right-padded batch: tokens, features, loss positions, masks (samples all with or all without a teacher).
+
+    ``trim[b]`` drops that many of sample b's last positions.  Blocks are aligned to the end, so a
+    position's block level is fixed by its distance to the end: a random trim in [0, k) (the
+    trainer's ``block_phase="random"``) gives every position every level across epochs, where a
+    fixed end trains level 1 on the same half (k=2) of the positions every epoch.
 
     Returns dict with ids_in [B,T] (x_{j+1}), feat_in [B,T,H] (f_j), feat_lbl [B,T,H] (f_{j+k}),
     lbl_ids [B,T] (x_{j+k+1}), loss [B,T] bool, attn [B,T,T] bool, lengths [B].
     """
     B = len(samples)
     lens = [min(len(s.tokens) - k - 1, max_len) for s in samples]
+    if trim is not None:
+        lens = [max(1, L - t) for L, t in zip(lens, trim)]
     T = max(lens)
     H = samples[0].features.shape[1]
     ids_in = torch.zeros(B, T, dtype=torch.long)
@@ -415,6 +422,7 @@ class TrainConfig:
     eval_roots: int = 240                 # held-out tree roots for the final simulated tau
     draft_vocab: int | None = None        # truncated draft head over the N most frequent answer tokens
     block_order: str = "forward"          # forward (the paper's) | reversed: level 1 from the block's last row
+    block_phase: str = "fixed"            # fixed | random: each step trims 0..k-1 last positions (make_batch)
     max_conversations: int | None = None  # train on the first N training conversations only
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
     train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
@@ -558,7 +566,9 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
         for bi in range(state["step"] % steps_per_epoch, len(batches)):
             if state["step"] >= total:
                 break
-            batch = to_device(make_batch([train_set[j] for j in batches[bi]], cfg.k, cfg.max_len), device)
+            trim = ([rng.randrange(cfg.k) for _ in batches[bi]] if cfg.block_phase == "random" and cfg.k > 1
+                    else None)
+            batch = to_device(make_batch([train_set[j] for j in batches[bi]], cfg.k, cfg.max_len, trim), device)
             out = train_step(drafter, net, opt, sched, batch, epoch, cfg, rng, gen)
             state["step"] += 1
             bar.update(1)
@@ -746,6 +756,9 @@ def add_arguments(p):
     p.add_argument("--block-order", choices=["forward", "reversed"], default="forward",
                    help="which block row outputs the next token: forward = the block's first (the paper's), "
                         "reversed = its last, whose input is the newest")
+    p.add_argument("--block-phase", choices=["fixed", "random"], default="fixed",
+                   help="random: each step trims 0..k-1 of a conversation's last positions, so every position "
+                        "trains every block level across epochs (fixed: the same level each epoch)")
     p.add_argument("--max-conversations", type=int, default=None,
                    help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--init-from", default=None,
@@ -780,7 +793,7 @@ def main(args):
                       eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
-                      init_from=args.init_from)
+                      block_phase=args.block_phase, init_from=args.init_from)
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
