@@ -25,6 +25,9 @@ on a shared CPU.
 
   python benchmarks/profile_step.py --configs vanilla,chain,tree:tree-2x2x1 --batch-sizes 1,4,16 \\
       --max-new-tokens 16 --name profile_step
+
+Configurations: vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>] (Falcon, --drafter) and
+eagle[:K] (vLLM's own EAGLE proposer with the shipped baseline drafter, or --drafter when one is given).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
+DEFAULT_DRAFTER = os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct")
+DEFAULT_EAGLE = DEFAULT_DRAFTER + "-eagle"
 sys.path.insert(0, HERE)
 from cpu_gemm_rows import cpu_name  # noqa: E402
 COMPONENTS = ("step", "target forward", "attention", "tree attention", "lm head", "sampler", "compaction",
@@ -93,12 +98,15 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int):
         spec = {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
                 "prompt_lookup_min": int(N or 2), "prompt_lookup_max": 4}
         return dict(spec, lookup_tokens=int(L)) if L else spec
+    if kind == "eagle":  # vLLM's own EAGLE proposer with the shipped baseline drafter (or @<dir>)
+        return {"method": "eagle", "model": drafter if drafter != DEFAULT_DRAFTER else DEFAULT_EAGLE,
+                "num_speculative_tokens": int(arg or num_spec_tokens)}
     if kind == "tree":
         tree = arg or "tree-2x2x1"
         if tree.endswith(".json") and not os.path.isabs(tree):
             tree = os.path.join(ROOT, tree)
         return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>])")
+    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K])")
 
 
 def run_worker(args) -> list[dict]:
@@ -283,7 +291,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="timed generations per batch size")
     p.add_argument("--rounds", type=int, default=1, help="driver: repetitions of the whole schedule (median)")
     p.add_argument("--num-spec-tokens", type=int, default=4, help="chain length K of `chain`")
-    p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--compare", default=None, help="checkout of the code to profile as 'before'")
     p.add_argument("--parallel", action="store_true",
