@@ -105,6 +105,8 @@ def test_block_phase_trim_moves_block_levels(data):
         for j in range(1, L):
             assert bool(b["attn"][i, j - 1, j]) == (j in ends_b)
         assert (ends_a & ends_b) == (set() if L != La else ends_a)
+    with pytest.raises(ValueError, match="block_phase"):
+        train(TrainConfig("unused", k=2, block_phase="rnadom"), samples=data, target=None)
 
 
 def test_one_step_lowers_loss(target, data):

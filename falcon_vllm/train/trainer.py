@@ -484,6 +484,8 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
     "out", "drafter"} (rank 0; others: "final" None)."""
     from tqdm import tqdm
 
+    if cfg.block_phase not in ("fixed", "random"):
+        raise ValueError(f"falcon-vllm: train: block_phase must be 'fixed' or 'random', not {cfg.block_phase!r}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("falcon-vllm: train: --device cuda but torch sees no CUDA device")
     rank, world, device = init_distributed(cfg.device)
