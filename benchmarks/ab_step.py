@@ -35,7 +35,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cpu_gemm_rows import cpu_name  # noqa: E402
-from profile_step import ROOT, _spec  # noqa: E402  (its environment, its configuration names)
+# its environment, its configuration names
+from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, _spec  # noqa: E402
 
 
 def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = None):
@@ -60,14 +61,12 @@ def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | 
 
 def _spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None):
     kind, _, arg = cfg.partition(":")
-    if kind == "eagle":
-        return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
     if kind == "falcon":  # the drafter's own recommendation (its serving.json)
         return {"method": "falcon", "model": drafter}
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return _spec(cfg, drafter, num_spec_tokens)
+    return _spec(cfg, drafter, num_spec_tokens, eagle_drafter)
 
 
 def run(args) -> list[dict]:
@@ -203,8 +202,8 @@ def main(argv=None) -> None:
                    help="time this turn of each conversation (MT-Bench has 2), 0: every turn, one after another; "
                         "later turns follow the baseline's greedy answers (up to --max-new-tokens) to earlier ones")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
-    p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
-    p.add_argument("--eagle-drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct-eagle"),
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER)
+    p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE,
                    help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--name", default="ab_step")

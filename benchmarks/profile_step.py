@@ -27,7 +27,7 @@ on a shared CPU.
       --max-new-tokens 16 --name profile_step
 
 Configurations: vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>] (Falcon, --drafter) and
-eagle[:K] (vLLM's own EAGLE proposer with the shipped baseline drafter, or --drafter when one is given).
+eagle[:K] (vLLM's own EAGLE proposer, --eagle-drafter).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Timers:
         return orig
 
 
-def _spec(cfg: str, drafter: str, num_spec_tokens: int):
+def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE):
     kind, _, arg = cfg.partition(":")
     if kind == "vanilla":
         return None
@@ -98,9 +98,8 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int):
         spec = {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
                 "prompt_lookup_min": int(N or 2), "prompt_lookup_max": 4}
         return dict(spec, lookup_tokens=int(L)) if L else spec
-    if kind == "eagle":  # vLLM's own EAGLE proposer with the shipped baseline drafter (or @<dir>)
-        return {"method": "eagle", "model": drafter if drafter != DEFAULT_DRAFTER else DEFAULT_EAGLE,
-                "num_speculative_tokens": int(arg or num_spec_tokens)}
+    if kind == "eagle":  # vLLM's own EAGLE proposer
+        return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
     if kind == "tree":
         tree = arg or "tree-2x2x1"
         if tree.endswith(".json") and not os.path.isabs(tree):
@@ -127,7 +126,7 @@ def run_worker(args) -> list[dict]:
     for cfg in args.configs:
         llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
                   max_num_seqs=max(args.batch_sizes), disable_log_stats=False, seed=0, enable_prefix_caching=False,
-                  speculative_config=_spec(cfg, args.drafter, args.num_spec_tokens))
+                  speculative_config=_spec(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         timers = Timers()
         in_target = {"n": 0}
@@ -198,7 +197,8 @@ def run_worker(args) -> list[dict]:
 def _worker_cmd(args, configs, out):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--configs", ",".join(configs),
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--max-new-tokens", str(args.max_new_tokens),
-           "--repeats", str(args.repeats), "--drafter", args.drafter, "--num-spec-tokens", str(args.num_spec_tokens)]
+           "--repeats", str(args.repeats), "--drafter", args.drafter, "--eagle-drafter", args.eagle_drafter,
+           "--num-spec-tokens", str(args.num_spec_tokens)]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
@@ -292,6 +292,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="driver: repetitions of the whole schedule (median)")
     p.add_argument("--num-spec-tokens", type=int, default=4, help="chain length K of `chain`")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
+    p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE, help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--compare", default=None, help="checkout of the code to profile as 'before'")
     p.add_argument("--parallel", action="store_true",
