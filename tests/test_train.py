@@ -107,6 +107,8 @@ def test_block_phase_trim_moves_block_levels(data):
         assert (ends_a & ends_b) == (set() if L != La else ends_a)
     with pytest.raises(ValueError, match="block_phase"):
         train(TrainConfig("unused", k=2, block_phase="rnadom"), samples=data, target=None)
+    with pytest.raises(ValueError, match="token-loss weight"):
+        train(TrainConfig("unused", k=2, w_dist=-0.1), samples=data, target=None)
 
 
 def test_one_step_lowers_loss(target, data):

@@ -486,6 +486,8 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
 
     if cfg.block_phase not in ("fixed", "random"):
         raise ValueError(f"falcon-vllm: train: block_phase must be 'fixed' or 'random', not {cfg.block_phase!r}")
+    if not cfg.w_dist >= 0:
+        raise ValueError(f"falcon-vllm: train: the token-loss weight must be >= 0, not {cfg.w_dist!r}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("falcon-vllm: train: --device cuda but torch sees no CUDA device")
     rank, world, device = init_distributed(cfg.device)
@@ -758,6 +760,8 @@ def add_arguments(p):
     p.add_argument("--block-order", choices=["forward", "reversed"], default="forward",
                    help="which block row outputs the next token: forward = the block's first (the paper's), "
                         "reversed = its last, whose input is the newest")
+    p.add_argument("--token-weight", type=float, default=0.1,
+                   help="weight of the token losses (soft + CE) against the feature regression (the paper's 0.1)")
     p.add_argument("--block-phase", choices=["fixed", "random"], default="fixed",
                    help="random: each step trims 0..k-1 of a conversation's last positions, so every position "
                         "trains every block level across epochs (fixed: the same level each epoch)")
@@ -795,7 +799,7 @@ def main(args):
                       eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
-                      block_phase=args.block_phase, init_from=args.init_from)
+                      block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight)
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
