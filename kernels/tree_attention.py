@@ -52,8 +52,11 @@ prefix KV byte is read:
   (``(word >> lane) & 1``).  A query tile only visits keys up to its last token (lower-triangular
   masks), so a 256-node tree costs roughly half of a dense W x W block.
 * Split-KV: with few requests (B * Hkv * tiles well below the SM count) the prefix is cut into
-  ``num_splits`` contiguous chunks handled by separate programs that write fp32 partials
-  (acc, m, l); a small combine kernel merges them (the last split also owns the in-flight keys).
+  ``num_splits`` contiguous chunks handled by separate programs (the last split also owns the
+  in-flight keys) that write normalised partials (o = acc / l in q's dtype, lse = m + log2 l in
+  fp32).  By default the merge is fused: each program bumps an arrival counter for its query
+  tile, and the last to arrive merges the partials (read back from L2) and writes the output, so
+  the step is one launch; a separate combine kernel is the alternative (``fuse_combine=False``).
   The default picks splits from the SM count and the longest prefix (>= 256 keys per split).
 * Fully masked tiles are handled without NaNs (row max -inf is replaced by 0 before exp2), and
   rows outside the request (padding of the last tile) are never stored.
@@ -240,13 +243,14 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
-    def _tree_attn_fwd(Q, K, V, KC, VC, BT, PL, QSL, BITS, O, PACC, PML, scale_log2e,
+    def _tree_attn_fwd(Q, K, V, KC, VC, BT, PL, QSL, BITS, O, PACC, PLSE, LOCK, scale_log2e,
                        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
                        s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
                        s_bt, s_bits, s_ot, s_oh, s_pa_s, s_pa_t, s_pm_s, s_pm_t,
                        REP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, TOK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, FUSE: tl.constexpr,
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         tile = tl.program_id(0)
         b = tl.program_id(1)
         hk = tl.program_id(2) // NUM_SPLITS
@@ -307,36 +311,76 @@ if triton is not None:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(O + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
                      o.to(O.dtype.element_ty), mask=row_ok[:, None])
-        else:  # fp32 partials, merged by _tree_attn_combine; PACC [S, T, Hq, D], PML [S, T, Hq, 2]
-            ph = split * s_pa_s + row[:, None] * s_pa_t + head[:, None] * D
-            tl.store(PACC + ph + d[None, :], acc, mask=row_ok[:, None])
-            pm = split * s_pm_s + row * s_pm_t + head * 2
-            tl.store(PML + pm, m_i, mask=row_ok)
-            tl.store(PML + pm + 1, l_i, mask=row_ok)
+        else:
+            # split partials, normalised: o_s = acc / l in PACC's dtype [S, T, Hq, D] (bounded by max |v|, so
+            # fp16/bf16 hold it) and lse_s = m + log2 l in fp32 PLSE [S, T, Hq] (-inf: the split saw no key)
+            l_ok = l_i > 0.0
+            l_safe = tl.where(l_ok, l_i, 1.0)
+            tl.store(PACC + split * s_pa_s + row[:, None] * s_pa_t + head[:, None] * D + d[None, :],
+                     (acc / l_safe[:, None]).to(PACC.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(PLSE + split * s_pm_s + row * s_pm_t + head,
+                     tl.where(l_ok, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+            if FUSE:
+                # the last split of this (tile, request, kv head) to finish merges all partials (one launch):
+                # the barrier makes every thread's partial stores visible before the release (acq_rel, gpu
+                # scope) of the arrival counter; the last arrival resets the counter for the next launch and
+                # reads the partials from L2 (.cg: never a stale L1 line)
+                tl.debug_barrier()
+                lock = LOCK + (b * (tl.num_programs(2) // NUM_SPLITS) + hk) * tl.num_programs(0) + tile
+                arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+                if arrived == NUM_SPLITS - 1:
+                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+                    sp = tl.arange(0, SPLITS_P2)
+                    lse = tl.load(PLSE + sp[:, None] * s_pm_s + (row * s_pm_t + head)[None, :],
+                                  mask=(sp[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"),
+                                  cache_modifier=".cg")                  # [S, BLOCK_M]
+                    m_max = tl.max(lse, 0)
+                    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                    den = tl.sum(tl.exp2(lse - m_max[None, :]), 0)
+                    o = tl.zeros((BLOCK_M, D), tl.float32)
+                    for s in range(NUM_SPLITS):
+                        w = tl.exp2(tl.load(PLSE + s * s_pm_s + row * s_pm_t + head, mask=row_ok,
+                                            other=float("-inf"), cache_modifier=".cg") - m_max)
+                        part = tl.load(PACC + s * s_pa_s + row[:, None] * s_pa_t + head[:, None] * D + d[None, :],
+                                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                        o += w[:, None] * part.to(tl.float32)
+                    o = o / tl.where(den == 0.0, 1.0, den)[:, None]
+                    tl.store(O + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+                             o.to(O.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _tree_attn_combine(PACC, PML, O, s_pa_s, s_pa_t, s_pm_s, s_pm_t, s_ot, s_oh, Hq,
+    def _tree_attn_combine(PACC, PLSE, O, s_pa_s, s_pa_t, s_pm_s, s_pm_t, s_ot, s_oh, Hq,
                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                            BLOCK_H: tl.constexpr):
-        """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
+        """out[t, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (a separate launch)."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)          # [BLOCK_H]
         h_ok = h < Hq
         sp = tl.arange(0, SPLITS_P2)
         ok = (sp[:, None] < NUM_SPLITS) & h_ok[None, :]                  # [S, BLOCK_H]
-        pm = sp[:, None] * s_pm_s + t * s_pm_t + h[None, :] * 2
-        m = tl.load(PML + pm, mask=ok, other=float("-inf"))
-        l = tl.load(PML + pm + 1, mask=ok, other=0.0)
-        m_max = tl.max(m, 0)
+        lse = tl.load(PLSE + sp[:, None] * s_pm_s + t * s_pm_t + h[None, :], mask=ok, other=float("-inf"))
+        m_max = tl.max(lse, 0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp2(m - m_max[None, :])                                   # [S, BLOCK_H]
-        den = tl.sum(w * l, 0)
+        w = tl.exp2(lse - m_max[None, :])                                 # [S, BLOCK_H]
+        den = tl.sum(w, 0)
         d = tl.arange(0, D)
-        acc = tl.load(PACC + (sp[:, None] * s_pa_s + t * s_pa_t + h[None, :] * D)[:, :, None] + d[None, None, :],
-                      mask=ok[:, :, None], other=0.0)                     # [S, BLOCK_H, D]
-        o = tl.sum(w[:, :, None] * acc, 0) / tl.where(den == 0.0, 1.0, den)[:, None]
+        part = tl.load(PACC + (sp[:, None] * s_pa_s + t * s_pa_t + h[None, :] * D)[:, :, None] + d[None, None, :],
+                       mask=ok[:, :, None], other=0.0)                    # [S, BLOCK_H, D]
+        o = tl.sum(w[:, :, None] * part.to(tl.float32), 0) / tl.where(den == 0.0, 1.0, den)[:, None]
         tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], o.to(O.dtype.element_ty),
                  mask=h_ok[:, None])
+
+
+_LOCKS: dict = {}
+
+
+def _split_locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the fused combine, one per (tile, request, kv head), kept per device
+    (each launch's last arrivals reset theirs to zero, so the buffer is reused, CUDA-graph replays too)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _LOCKS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _num_sms(device: torch.device) -> int:
@@ -353,7 +397,7 @@ def default_config(max_query_len: int, rep: int, head_dim: int) -> dict:
     block_m = max(min(64, max(16, rows)), triton.next_power_of_2(rep))
     big = block_m * head_dim >= 128 * 128
     return {"block_m": block_m, "block_n": 64 if head_dim <= 128 else 32,
-            "num_warps": 8 if big else 4, "num_stages": 2}
+            "num_warps": 8 if big else 4, "num_stages": 2, "partials": "half", "fuse_combine": True}
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -371,7 +415,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         max_query_len: max_b W_b.  Pass it (vLLM's metadata has it) to avoid a device sync.
         max_prefix_len: max_b P_b, used only to choose ``num_splits``; pass it to avoid a sync.
         num_splits: prefix splits (split-KV); default from the SM count and ``max_prefix_len``.
-        config: override tile sizes: ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
+        config: override tile sizes: ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; and the
+            split-KV merge: ``partials`` ("half": q's dtype, "fp32") and ``fuse_combine`` (True: the last
+            split to finish merges, one launch; False: a separate combine launch).
 
     Returns:
         [T, Hq, D] in q's dtype.
@@ -417,28 +463,31 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # kernel upcasts its tiles to fp32 first.  On GPU bf16 tiles go to the tensor cores as they are.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     dot_prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    fuse = num_splits > 1 and cfg["fuse_combine"]
     if num_splits > 1:
-        pacc = torch.empty(num_splits, T, Hq, D, device=q.device, dtype=torch.float32)
-        pml = torch.empty(num_splits, T, Hq, 2, device=q.device, dtype=torch.float32)
+        pdt = q.dtype if cfg["partials"] == "half" else torch.float32
+        pacc = torch.empty(num_splits, T, Hq, D, device=q.device, dtype=pdt)
+        plse = torch.empty(num_splits, T, Hq, device=q.device, dtype=torch.float32)
     else:
-        pacc = pml = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
+        pacc = plse = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
+    locks = _split_locks(q.device, n_tiles * B * Hkv) if fuse else plse
     _tree_attn_fwd[(n_tiles, B, Hkv * num_splits)](
         q, k, v, key_cache, value_cache, block_table, prefix_lens, query_start_loc, tree_bits, out,
-        pacc, pml, scale * math.log2(math.e),
+        pacc, plse, locks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), tree_bits.stride(0), out.stride(0), out.stride(1),
-        pacc.stride(0), pacc.stride(1), pml.stride(0), pml.stride(1),
+        pacc.stride(0), pacc.stride(1), plse.stride(0), plse.stride(1),
         REP=rep, PAGE=key_cache.shape[1], D=D, BLOCK_M=block_m, TOK_M=tok_m,
-        BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if num_splits > 1:
+        BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        FUSE=fuse, DOT_PREC=dot_prec, UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if num_splits > 1 and not fuse:
         # heads per combine program; profiled on H100 (benchmarks/results/kernels_profile_h100.txt):
         # 1 is fastest for few tokens (more programs), 4 for W = 128 at batch 1
         block_h = min(cfg.get("combine_block_h", 1 if T <= 64 else 4), triton.next_power_of_2(Hq))
         _tree_attn_combine[(T, triton.cdiv(Hq, block_h))](
-            pacc, pml, out, pacc.stride(0), pacc.stride(1), pml.stride(0), pml.stride(1),
+            pacc, plse, out, pacc.stride(0), pacc.stride(1), plse.stride(0), plse.stride(1),
             out.stride(0), out.stride(1), Hq, D=D, NUM_SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_H=block_h)
     return out

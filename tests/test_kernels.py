@@ -104,14 +104,30 @@ def test_tree_attention_matches_reference(prefix_lens, trees, Hq, Hkv, D, dtype,
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("num_splits", [2, 3])
-def test_tree_attention_split_prefix(num_splits):
-    """Split-KV over the prefix (partials + combine kernel), including a split left empty (P=0)."""
+def test_tree_attention_split_prefix(num_splits, fuse):
+    """Split-KV over the prefix (partials merged by the last split to arrive, or by the combine kernel),
+    including a split left empty (P=0); twice in a row, so the fused merge's arrival counters must reset."""
     trees = [build_tree("tree-2x2", 1), _random_tree(5, 8), build_tree("chain-3", 1)]
     args = _case([45, 0, 130], trees, 4, 2, 64, torch.float32, bs=16, seed=3)
     ref = tree_attention_ref(*args, scale=0.125)
-    out = tree_attention(*args, scale=0.125, num_splits=num_splits)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for _ in range(2):
+        out = tree_attention(*args, scale=0.125, num_splits=num_splits, config={"fuse_combine": fuse})
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("partials", ["half", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_attention_half_partials(dtype, partials):
+    """Split partials stored in q's dtype (normalised, so in range) or fp32, two query tiles, poisoned output."""
+    trees = [_random_tree(24, 10), build_tree("tree-3x2", 1)]
+    args = _case([150, 77], trees, 4, 2, 64, dtype, bs=16, seed=5)
+    ref = tree_attention_ref(*args, scale=0.125)
+    buf = torch.full_like(args[0], float("nan"))
+    out = tree_attention(*args, scale=0.125, num_splits=4, out=buf,
+                         config={"partials": partials, "block_m": 16, "block_n": 16})
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_tree_attention_small_tiles_and_out_buffer():
@@ -235,6 +251,20 @@ def test_tree_attention_on_gpu():
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [{"fuse_combine": True}, {"fuse_combine": False},
+                                    {"fuse_combine": True, "block_m": 128, "num_warps": 8}])
+def test_tree_attention_split_merge_is_race_free_on_gpu(config):
+    """The fused merge (arrival counters across programs) must give the same bits on every launch: a moving
+    result would be a race.  7B heads, prefix 2048, W=128 (the batch-1 goal shape), 16 splits, 300 launches."""
+    args = [a.cuda() for a in _case([2048], [_random_tree(128, 11)], 32, 32, 128, torch.float16, seed=6)]
+    ref = tree_attention_ref(*[a.cpu() for a in args], scale=128 ** -0.5).float()
+    first = tree_attention(*args, scale=128 ** -0.5, num_splits=16, config=config)
+    torch.testing.assert_close(first.cpu().float(), ref, rtol=2e-2, atol=2e-2)
+    outs = [tree_attention(*args, scale=128 ** -0.5, num_splits=16, config=config) for _ in range(300)]
+    assert all(torch.equal(o, first) for o in outs)
+
+
 def test_bench_kernels_smoke(tmp_path):
     """The kernel benchmark script runs end to end (tiny shapes; on CPU through the interpreter)."""
     import json
@@ -253,3 +283,21 @@ def test_bench_kernels_smoke(tmp_path):
     for r in res["tree_attention"]:
         assert r["tree_ms"] > 0 and r["sdpa_ms"] > 0 and r["max_abs_err_vs_ref"] < 2e-2
     assert (tmp_path / "k.md").read_text().startswith("# Kernel benchmark")
+
+
+def test_profile_tree_attention_smoke(tmp_path):
+    """The batch-1 merge-variant benchmark runs end to end (tiny shapes; on CPU through the interpreter): every
+    merge variant computes the reference's result."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import profile_tree_attention
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is the benchmark itself (minutes)")
+    assert profile_tree_attention.main(["--smoke", "--name", "v", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "v.json").read_text())
+    rows = [r for s in res["shapes"] for r in s["rows"]]
+    assert {r["merge"] for r in rows} == set(profile_tree_attention.MERGES)
+    assert all(r["max_abs_err"] < 1e-4 and r["ms"] > 0 and r["sdpa_ms"] > 0 for r in rows)
