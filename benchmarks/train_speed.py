@@ -54,11 +54,14 @@ def build_target(args):
     return LlamaForCausalLM(LlamaConfig(**SMOLLM2)).float().eval()
 
 
-def make_samples(n: int, vocab: int, hidden: int, seed: int = 0, feature_std: float = 2.0) -> list[Sample]:
+def make_samples(n: int, vocab: int, hidden: int, seed: int = 0, feature_std: float = 2.0,
+                 fixed_length: bool = False) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         p, a = int(torch.randint(64, 129, (1,), generator=g)), int(torch.randint(136, 161, (1,), generator=g))
+        if fixed_length:  # every batch the same shape (tells per-shape set-up costs from per-step costs)
+            p, a = 128, 160
         mask = torch.zeros(p + a, dtype=torch.bool)
         mask[p:] = True
         feats = (torch.randn(p + a, hidden, generator=g) * feature_std).to(torch.bfloat16)
@@ -90,6 +93,10 @@ def run(args) -> dict:
         raise SystemExit("falcon-vllm: --device cuda but torch sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sdp != "default":  # which scaled_dot_product_attention kernels torch may pick (the drafter's attention)
+        for kind in ("cudnn", "flash", "mem_efficient", "math"):
+            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind != "cudnn" if args.sdp == "no-cudnn"
+                                                              else kind == args.sdp)
     total = args.warmup + args.steps
     t0 = time.perf_counter()
     target = build_target(args)
@@ -97,7 +104,7 @@ def run(args) -> dict:
     V, H = target.config.vocab_size, target.config.hidden_size
     n = args.conversations or default_conversations(total, args.batch_size)
     t0 = time.perf_counter()
-    samples = make_samples(n, V, H)
+    samples = make_samples(n, V, H, fixed_length=args.fixed_length)
     t_samples = time.perf_counter() - t0
     draft_vocab = min(8192, V // 2)
     rec = {"t_teacher": 0.0, "ends": [], "starts": [], "epochs": [], "losses": [], "positions": [], "answer": [],
@@ -159,7 +166,8 @@ def run(args) -> dict:
                     "train_to_first_step": round(rec["starts"][0] - t_train, 3)},
         "warmup_s": round(rec["ends"][w - 1] - rec["starts"][0], 3),
         "step_s": [round(x, 4) for x in dts], "s_per_step": round(s_step, 4),
-        "s_per_step_min": round(min(dts), 4), "s_in_train_step": round(sum(inside) / len(inside), 4),
+        "s_per_step_min": round(min(dts), 4), "s_per_step_median": round(sorted(dts)[len(dts) // 2], 4),
+        "sdp": args.sdp, "fixed_length": args.fixed_length, "s_in_train_step": round(sum(inside) / len(inside), 4),
         "steps_per_s": round(1 / s_step, 3),
         "conversations_per_s": round(sum(rec["convs"][w:]) / sum(dts), 2),
         "positions_per_s": round(sum(rec["positions"][w:]) / sum(dts), 1),
@@ -178,7 +186,9 @@ def markdown(r: dict) -> str:
             ("set-up", f"target {s['target']:.1f} s, samples {s['samples']:.1f} s, train() to step 1 "
                        f"{s['train_to_first_step']:.1f} s (teacher cache {s['teacher_cache']:.1f} s of it)"),
             ("warm-up steps", f"{r['warmup_steps']} ({r['warmup_s']:.2f} s)"),
-            ("s/step (mean, min)", f"{r['s_per_step']:.4f}, {r['s_per_step_min']:.4f} over {r['timed_steps']} steps"),
+            ("s/step (mean, median, min)", f"{r['s_per_step']:.4f}, {r['s_per_step_median']:.4f}, "
+                                           f"{r['s_per_step_min']:.4f} over {r['timed_steps']} steps"),
+            ("attention kernels, lengths", f"sdp {r['sdp']}, {'all 288' if r['fixed_length'] else '200-288'}"),
             ("steps/s", f"{r['steps_per_s']:.3f}"), ("conversations/s", f"{r['conversations_per_s']:.2f}"),
             ("tokens/s (positions, answer tokens)", f"{r['positions_per_s']:.0f}, {r['answer_tokens_per_s']:.0f}"),
             ("peak GPU memory", "-" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']:.2f} GiB"),
@@ -204,6 +214,10 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-roots", type=int, default=8, help="tree roots of the trainer's final held-out eval")
     p.add_argument("--target-dir", default=None, help="load this HF target dir instead of random SmolLM2 shapes")
     p.add_argument("--tiny", action="store_true", help="a tiny random target (vocab 512, hidden 64): for tests")
+    p.add_argument("--sdp", default="default", choices=["default", "no-cudnn", "flash", "mem_efficient", "math"],
+                   help="CUDA: which scaled_dot_product_attention kernels torch may use (default: the trainer's own choice, all but cuDNN's)")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every conversation 128 + 160 tokens (default: 64-128 + 136-160): one batch shape")
     p.add_argument("--out", default=None, help="JSON result path (a .md is written next to it)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -38,7 +38,7 @@ def test_tiny_cpu_falcon_run_writes_json_and_markdown(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["s_per_step"] == r["s_per_step"] and saved["command"].endswith(f"--out {out}")
     md = (tmp_path / "ts.md").read_text()
-    assert "| s/step (mean, min) |" in md and f"{r['s_per_step']:.4f}" in md
+    assert "| s/step (mean, median, min) |" in md and f"{r['s_per_step']:.4f}" in md
 
 
 def test_tiny_cpu_eagle_run():

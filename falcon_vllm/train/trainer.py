@@ -481,7 +481,18 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
     ``cfg.data_dir``, or on ``samples`` (then no teacher cache is written), distilled from ``target`` (default:
     loaded from ``cfg.target_dir``).  Under ``torchrun`` it runs data-parallel (DDP; NCCL on CUDA, gloo on
     CPU): each rank takes every world-th batch, rank 0 evaluates and writes.  Returns {"final", "history",
-    "out", "drafter"} (rank 0; others: "final" None)."""
+    "out", "drafter"} (rank 0; others: "final" None).
+
+    The drafter's attention runs without cuDNN's SDPA kernel, which builds an execution plan for every new
+    batch shape: training batches come in as many shapes as there are conversation lengths (H100, bf16:
+    0.150 s per step with it, 0.036 s without; ``benchmarks/results/gpu/train_speed_h100_cuda_*.md``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return _train(cfg, samples, target, log)
+
+
+def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     from tqdm import tqdm
 
     if cfg.block_phase not in ("fixed", "random"):
