@@ -66,7 +66,8 @@ def run_shape(heads, W, P, tiles, splits_list, peak, smoke=False, merges=tuple(M
                 except Exception as e:  # e.g. a tile that does not fit in shared memory
                     print(f"{heads} W={W} P={P} {merge} {tile} splits={splits}: {type(e).__name__}", flush=True)
                     continue
-                rows.append(dict(heads=heads, width=W, prefix=P, merge=merge, block_m=cfg.get("block_m", "auto"),
+                rows.append(dict(heads=heads, width=W, prefix=P, merge=merge, balance=bool(cfg.get("balance")),
+                                 block_m=cfg.get("block_m", "auto"),
                                  num_warps=cfg.get("num_warps", "auto"), block_n=cfg.get("block_n", "auto"),
                                  num_stages=cfg.get("num_stages", "auto"), num_splits=splits or "auto", ms=ms,
                                  max_abs_err=err, pct_peak=100 * kv_bytes / (ms * 1e-3) / peak if peak else None))
@@ -83,8 +84,8 @@ def run_shape(heads, W, P, tiles, splits_list, peak, smoke=False, merges=tuple(M
     for r in rows:
         r["sdpa_ms"], r["speedup_vs_sdpa"] = sdpa, (sdpa / r["ms"] if sdpa else None)
     best = min(rows, key=lambda r: r["ms"])
-    cfg = {**MERGES[best["merge"]], **({} if best["block_m"] == "auto" else
-                                       {"block_m": best["block_m"], "num_warps": best["num_warps"]})}
+    cfg = {**MERGES[best["merge"]], "balance": best["balance"],
+           **{key: best[key] for key in ("block_m", "num_warps", "block_n", "num_stages") if best[key] != "auto"}}
     splits = None if best["num_splits"] == "auto" else best["num_splits"]
     prof = {}
     for label, c in () if smoke else (("best", cfg), ("separate-fp32 default", MERGES["separate-fp32"])):
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="kernels_b1_variants")
     p.add_argument("--smoke", action="store_true", help="CPU: two tiny shapes under TRITON_INTERPRET=1")
     p.add_argument("--pipeline", action="store_true",
-                   help="instead: the fused-half merge over key tile (block_n) x pipeline stages x splits")
+                   help="instead: the fused-half merge over key tile (block_n) x pipeline stages x in-flight keys "
+                     "shared among the splits or not (balance) x splits")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args(argv)
     if a.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -112,9 +114,10 @@ def main(argv=None) -> int:
            "command": "python benchmarks/profile_tree_attention.py " + " ".join(argv or sys.argv[1:]), "shapes": []}
     tiles = ({"block_m": 64, "num_warps": 4}, {"block_m": 128, "num_warps": 8})
     if a.pipeline:
-        pipe = [{"block_n": n, "num_stages": st} for n in (32, 64, 128) for st in (2, 3, 4)]
+        pipe = [{"block_n": n, "num_stages": st, "balance": bal} for n in (64, 128) for st in (3, 4)
+                for bal in (False, True)]
         shapes = ([(GOAL[0], 6, 40, (None, 4))] if a.smoke else
-                  [(*GOAL, (4, 8)), ("7b", 8, 4096, (8, 16, 32)), ("7b", 32, 2048, (8, 16))])
+                  [(*GOAL, (4, 8)), ("7b", 64, 2048, (4, 8)), ("7b", 8, 4096, (8, 16, 32)), ("7b", 32, 2048, (8, 16))])
         for heads, W, P, spl in shapes:
             rows, prof = run_shape(heads, W, P, pipe[:2] if a.smoke else pipe, spl, peak, a.smoke, ("fused-half",))
             res["shapes"].append({"shape": (heads, W, P), "rows": rows, "launch_us": prof})
@@ -135,12 +138,13 @@ def main(argv=None) -> int:
     for s in res["shapes"]:
         heads, W, P = s["shape"]
         lines += [f"## {heads} heads, W={W}, prefix {P}" + (" (the goal shape)" if tuple(s["shape"]) == GOAL else ""),
-                  "", "| merge | block_m | warps | block_n | stages | splits | us | % peak | vs SDPA+mask | max abs err |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "", "| merge | block_m | warps | block_n | stages | splits | us | % peak | vs SDPA+mask "
+                  "| max abs err |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(s["rows"], key=lambda r: r["ms"]):
             pct = f"{r['pct_peak']:.0f}%" if r["pct_peak"] else "-"
             vs = f"{r['speedup_vs_sdpa']:.2f}x" if r["speedup_vs_sdpa"] else "-"
-            lines.append(f"| {r['merge']} | {r['block_m']} | {r['num_warps']} | {r['block_n']} | {r['num_stages']} | "
+            merge = r["merge"] + (" +balance" if r.get("balance") else "")
+            lines.append(f"| {merge} | {r['block_m']} | {r['num_warps']} | {r['block_n']} | {r['num_stages']} | "
                          f"{r['num_splits']} | "
                          f"{r['ms'] * 1e3:.1f} | {pct} | {vs} | {r['max_abs_err']:.1e} |")
         lines += ["", "launch us: " + "; ".join(f"{k}: {v}" for k, v in s["launch_us"].items()), ""]

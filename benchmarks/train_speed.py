@@ -215,7 +215,8 @@ def main(argv=None) -> dict:
     p.add_argument("--target-dir", default=None, help="load this HF target dir instead of random SmolLM2 shapes")
     p.add_argument("--tiny", action="store_true", help="a tiny random target (vocab 512, hidden 64): for tests")
     p.add_argument("--sdp", default="default", choices=["default", "no-cudnn", "flash", "mem_efficient", "math"],
-                   help="CUDA: which scaled_dot_product_attention kernels torch may use (default: the trainer's own choice, all but cuDNN's)")
+                   help="CUDA: which scaled_dot_product_attention kernels torch may use "
+                        "(default: the trainer's own choice, all but cuDNN's)")
     p.add_argument("--fixed-length", action="store_true",
                    help="every conversation 128 + 160 tokens (default: 64-128 + 136-160): one batch shape")
     p.add_argument("--out", default=None, help="JSON result path (a .md is written next to it)")

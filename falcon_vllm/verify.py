@@ -62,8 +62,8 @@ import torch
 
 from falcon_vllm.tree import DecodingTree
 
-__all__ = ["VerifyResult", "probs_from_logits", "greedy_verify", "greedy_verify_argmax", "sample_verify",
-           "output_token_lists"]
+__all__ = ["VerifyResult", "Sampling", "prepare_sampling", "probs_from_logits", "greedy_verify",
+           "greedy_verify_argmax", "sample_verify", "output_token_lists"]
 
 
 # ---------------------------------------------------------------------- result
@@ -183,7 +183,45 @@ def _per_request(x, B: int, dtype: torch.dtype, device, default) -> torch.Tensor
     return torch.full((B,), x, dtype=dtype, device=device)
 
 
-def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling parameters on the logits' device, with every host-side decision that depends only
+    on them taken once, in one host read (a device sync on GPU): whether any row is greedy (or all are),
+    whether any row uses top-k (and the largest k) or top-p.  Built by :func:`prepare_sampling`; a tree walk
+    reuses it at every depth instead of deciding again."""
+    temperature: torch.Tensor        # [B] fp32
+    greedy: torch.Tensor             # [B] bool: temperature <= 0
+    top_k: torch.Tensor | None       # [B] long, 1 where top-k is off (masked by top_k_on)
+    top_k_on: torch.Tensor | None    # [B] bool: 0 < k < V
+    top_p: torch.Tensor | None       # [B] fp32
+    any_greedy: bool
+    all_greedy: bool
+    k_max: int                       # largest active k (0: no row uses top-k)
+    any_top_p: bool
+
+
+def prepare_sampling(temperature, top_k, top_p, B: int, V: int, device) -> Sampling:
+    """:class:`Sampling` of B rows over a V-token vocabulary (arguments as in :func:`probs_from_logits`)."""
+    t = _per_request(temperature, B, torch.float32, device, 1.0)
+    greedy = t <= 0
+    k = on = p = None
+    stats = [greedy.any(), greedy.all()]
+    if top_k is not None:
+        k = _per_request(top_k, B, torch.long, device, 0)
+        on = (k > 0) & (k < V)
+        k = torch.where(on, k, torch.ones_like(k))
+        stats.append(torch.where(on, k, torch.zeros_like(k)).amax() if B else torch.zeros((), dtype=torch.long))
+    if top_p is not None:
+        p = _per_request(top_p, B, torch.float32, device, 1.0)
+        stats.append((p < 1).any())
+    vals = torch.stack([x.to(device=device, dtype=torch.long) for x in stats]).tolist()  # the one host read
+    return Sampling(t, greedy, k, on, p, any_greedy=bool(vals[0]), all_greedy=bool(vals[1]) and B > 0,
+                    k_max=int(vals[2]) if top_k is not None else 0, any_top_p=bool(vals[-1]) if top_p is not None
+                    else False)
+
+
+def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None, *,
+                      sampling: Sampling | None = None) -> torch.Tensor:
     """Target (or drafter) sampling distribution, processed like common engines (vLLM, HF).
 
     Order: divide by the temperature, then top-k (keep tokens whose logit is >= the k-th largest,
@@ -198,6 +236,8 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None)
             raw logits (the T -> 0 limit; greedy verification handles them separately).
         top_k: None, int or [B]; 0 (or >= V) disables it for that row.
         top_p: None, float or [B]; 1.0 disables it for that row.
+        sampling: the parameters already prepared (:func:`prepare_sampling`); then the three above are
+            ignored and no host read happens here.
 
     Returns:
         fp32 probabilities with the shape of ``logits``.
@@ -207,31 +247,25 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None)
     V = shape[-1]
     B = shape[0] if x.dim() > 1 else 1
     x = x.reshape(B, -1, V)
-    dev = x.device
-    t = _per_request(temperature, B, torch.float32, dev, 1.0)
-    greedy = t <= 0
-    x = x / torch.where(greedy, torch.ones_like(t), t)[:, None, None]
-    if top_k is not None:
-        k = _per_request(top_k, B, torch.long, dev, 0)
-        on = (k > 0) & (k < V)
-        if bool(on.any()):
-            k = torch.where(on, k, torch.ones_like(k))
-            kth = x.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None, None].expand(B, x.shape[1], 1))
-            x = x.masked_fill((x < kth) & on[:, None, None], float("-inf"))
-    if top_p is not None:
-        p = _per_request(top_p, B, torch.float32, dev, 1.0)
-        if bool((p < 1).any()):
-            sx, idx = x.sort(dim=-1, descending=True)
-            sp = sx.softmax(-1)
-            before = torch.cumsum(sp, -1)
-            before = torch.cat([torch.zeros_like(before[..., :1]), before[..., :-1]], -1)
-            drop = (before >= p[:, None, None]) & (p < 1)[:, None, None]
-            drop[..., 0] = False
-            x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    s = prepare_sampling(temperature, top_k, top_p, B, V, x.device) if sampling is None else sampling
+    x = x / torch.where(s.greedy, torch.ones_like(s.temperature), s.temperature)[:, None, None]
+    if s.k_max:
+        k = s.top_k
+        kth = x.topk(s.k_max, dim=-1).values.gather(-1, (k - 1)[:, None, None].expand(B, x.shape[1], 1))
+        x = x.masked_fill((x < kth) & s.top_k_on[:, None, None], float("-inf"))
+    if s.any_top_p:
+        p = s.top_p
+        sx, idx = x.sort(dim=-1, descending=True)
+        sp = sx.softmax(-1)
+        before = torch.cumsum(sp, -1)
+        before = torch.cat([torch.zeros_like(before[..., :1]), before[..., :-1]], -1)
+        drop = (before >= p[:, None, None]) & (p < 1)[:, None, None]
+        drop[..., 0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
     probs = x.softmax(-1)
-    if bool(greedy.any()):
+    if s.any_greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, logits.float().reshape(B, -1, V).argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None, None], onehot, probs)
+        probs = torch.where(s.greedy[:, None, None], onehot, probs)
     return probs.reshape(shape)
 
 
@@ -309,18 +343,17 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
 
     Returns:
         :class:`VerifyResult`.  The walk is vectorised over the batch; it loops over depths (and,
-        for sampled drafts, over sibling ranks) with one host sync per depth to stop early.
+        for sampled drafts, over sibling ranks) with one host read for the sampling parameters
+        (:func:`prepare_sampling`) and one per depth to stop early.
     """
     _check_shapes(tree, node_tokens, target_logits)
     dev = target_logits.device
     B, S, V = target_logits.shape
     tab = _tables(tree, dev)
     node_tokens = node_tokens.to(dev)
-    temp = _per_request(temperature, B, torch.float32, dev, 1.0)
-    tk = None if top_k is None else _per_request(top_k, B, torch.long, dev, 0)
-    tp = None if top_p is None else _per_request(top_p, B, torch.float32, dev, 1.0)
-    greedy = temp <= 0
-    if bool(greedy.all()):
+    sp = prepare_sampling(temperature, top_k, top_p, B, V, dev)   # the walk's one host read before the loop
+    greedy = sp.greedy
+    if sp.all_greedy:
         return greedy_verify(tree, node_tokens, target_logits)
     if draft_probs is not None and draft_probs.shape != target_logits.shape:
         raise ValueError(f"falcon-vllm: draft_probs must be [B, 1+N, V] = {list(target_logits.shape)}, "
@@ -331,7 +364,7 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
     active = torch.ones(B, dtype=torch.bool, device=dev)       # still walking
     bonus = torch.zeros(B, dtype=torch.long, device=dev)
     for d in range(tab.max_depth + 1):
-        p = probs_from_logits(target_logits[rows, u], temp, tk, tp)           # [B, V]
+        p = probs_from_logits(target_logits[rows, u], None, sampling=sp)      # [B, V]
         ch = tab.children[u]                                                  # [B, Cmax]
         ch_tok = node_tokens.gather(1, (ch - 1).clamp_min(0))                 # [B, Cmax]
         if draft_probs is None:
@@ -368,7 +401,7 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
         active = active & found
         if not bool(active.any()):
             break
-    if bool(greedy.any()):
+    if sp.any_greedy:
         g_last, g_bonus = _greedy_last(tab, node_tokens, target_logits)
         u = torch.where(greedy, g_last, u)
         bonus = torch.where(greedy, g_bonus, bonus)

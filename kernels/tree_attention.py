@@ -249,7 +249,7 @@ if triton is not None:
                        s_bt, s_bits, s_ot, s_oh, s_pa_s, s_pa_t, s_pm_s, s_pm_t,
                        REP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, TOK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, FUSE: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, FUSE: tl.constexpr, BALANCE: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         tile = tl.program_id(0)
         b = tl.program_id(1)
@@ -275,11 +275,27 @@ if triton is not None:
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
 
-        # 1) this split's share of the committed prefix, read through the block table
+        # this split's keys: a share of the committed prefix [lo, hi) and of the in-flight keys [j_lo, j_hi)
+        # this tile can see (masks are lower-triangular: none past its last token).  Default: the prefix cut
+        # in NUM_SPLITS chunks, the in-flight keys all in the last split.  BALANCE: the prefix (padded to 32)
+        # followed by the in-flight keys cut as one sequence, so the last split is no straggler.
         P = tl.load(PL + b)
-        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, P)
+        j_all = tl.minimum(W, m0 + TOK_M)
+        if BALANCE:
+            p_pad = tl.cdiv(P, 32) * 32
+            chunk = tl.cdiv(tl.cdiv(p_pad + j_all, NUM_SPLITS), 64) * 64      # a multiple of 32: word-aligned
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, P)
+            j_lo = tl.maximum(lo - p_pad, 0)
+            j_hi = tl.minimum(tl.maximum(lo + chunk - p_pad, 0), j_all)
+        else:
+            chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, P)
+            j_lo = 0
+            j_hi = tl.where(split == NUM_SPLITS - 1, j_all, 0)
+
+        # 1) the prefix share, read through the block table
         n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + n
@@ -293,11 +309,9 @@ if triton is not None:
             acc, m_i, l_i = _online_softmax_tile(q, kt, vt, key_ok[None, :], acc, m_i, l_i, scale_log2e,
                                                  DOT_PREC, UPCAST)
 
-        # 2) the request's in-flight keys (last split only), 32 per tile = one bitmask word per row;
-        #    masks are lower-triangular, so keys past this tile's last token are never visible
-        j_hi = tl.where(split == NUM_SPLITS - 1, tl.minimum(W, m0 + TOK_M), 0)
+        # 2) the in-flight share, 32 keys per tile = one bitmask word per row
         lane = tl.arange(0, 32)
-        for j0 in range(0, j_hi, 32):
+        for j0 in range(j_lo, j_hi, 32):
             j = j0 + lane
             kv_ok = j < W
             word = tl.load(BITS + row * s_bits + j0 // 32, mask=row_ok, other=0)   # [BLOCK_M] int32
@@ -397,7 +411,8 @@ def default_config(max_query_len: int, rep: int, head_dim: int) -> dict:
     block_m = max(min(64, max(16, rows)), triton.next_power_of_2(rep))
     big = block_m * head_dim >= 128 * 128
     return {"block_m": block_m, "block_n": 64 if head_dim <= 128 else 32,
-            "num_warps": 8 if big else 4, "num_stages": 2, "partials": "half", "fuse_combine": True}
+            "num_warps": 8 if big else 4, "num_stages": 2, "partials": "half", "fuse_combine": True,
+            "balance": False}
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -417,7 +432,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         num_splits: prefix splits (split-KV); default from the SM count and ``max_prefix_len``.
         config: override tile sizes: ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; and the
             split-KV merge: ``partials`` ("half": q's dtype, "fp32") and ``fuse_combine`` (True: the last
-            split to finish merges, one launch; False: a separate combine launch).
+            split to finish merges, one launch; False: a separate combine launch); ``balance`` (True: the
+            in-flight keys shared among the splits with the prefix instead of all in the last split).
 
     Returns:
         [T, Hq, D] in q's dtype.
@@ -485,7 +501,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         pacc.stride(0), pacc.stride(1), plse.stride(0), plse.stride(1),
         REP=rep, PAGE=key_cache.shape[1], D=D, BLOCK_M=block_m, TOK_M=tok_m,
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
-        FUSE=fuse, DOT_PREC=dot_prec, UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FUSE=fuse, BALANCE=num_splits > 1 and cfg["balance"], DOT_PREC=dot_prec, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1 and not fuse:
         # heads per combine program; profiled on H100 (benchmarks/results/kernels_profile_h100.txt):
         # 1 is fastest for few tokens (more programs), 4 for W = 128 at batch 1

@@ -104,16 +104,19 @@ def test_tree_attention_matches_reference(prefix_lens, trees, Hq, Hkv, D, dtype,
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("balance", [False, True])
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("num_splits", [2, 3])
-def test_tree_attention_split_prefix(num_splits, fuse):
-    """Split-KV over the prefix (partials merged by the last split to arrive, or by the combine kernel),
-    including a split left empty (P=0); twice in a row, so the fused merge's arrival counters must reset."""
-    trees = [build_tree("tree-2x2", 1), _random_tree(5, 8), build_tree("chain-3", 1)]
-    args = _case([45, 0, 130], trees, 4, 2, 64, torch.float32, bs=16, seed=3)
+def test_tree_attention_split_prefix(num_splits, fuse, balance):
+    """Split-KV over the prefix (partials merged by the last split to arrive, or by the combine kernel; the
+    in-flight keys in the last split or shared among the splits), including a split left empty (P=0) and a
+    request whose in-flight keys span several splits; twice in a row, so the fused merge's counters must reset."""
+    trees = [build_tree("tree-2x2", 1), _random_tree(5, 8), build_tree("chain-3", 1), _random_tree(70, 12)]
+    args = _case([45, 0, 130, 20], trees, 4, 2, 64, torch.float32, bs=16, seed=3)
     ref = tree_attention_ref(*args, scale=0.125)
     for _ in range(2):
-        out = tree_attention(*args, scale=0.125, num_splits=num_splits, config={"fuse_combine": fuse})
+        out = tree_attention(*args, scale=0.125, num_splits=num_splits,
+                             config={"fuse_combine": fuse, "balance": balance})
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -252,7 +255,7 @@ def test_tree_attention_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("config", [{"fuse_combine": True}, {"fuse_combine": False},
+@pytest.mark.parametrize("config", [{"fuse_combine": True}, {"fuse_combine": False}, {"balance": True},
                                     {"fuse_combine": True, "block_m": 128, "num_warps": 8}])
 def test_tree_attention_split_merge_is_race_free_on_gpu(config):
     """The fused merge (arrival counters across programs) must give the same bits on every launch: a moving

@@ -239,6 +239,38 @@ def test_sample_reproducible_with_generator():
     assert torch.equal(outs[0].bonus_tokens, outs[1].bonus_tokens)
 
 
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor-to-host reads (bool(), int(), .item(), .tolist(), ...): each is a device sync on GPU."""
+    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (20, None), (None, 0.9), (20, 0.9)])
+def test_sample_walk_reads_the_host_once_per_depth(top_k, top_p):
+    """The sampled walk decides top-k / top-p / greedy handling once (prepare_sampling), not at every depth: at
+    most one host read per depth (the early stop) plus a constant, whatever the sampling parameters."""
+    tree = build_tree("falcon-llama", 2)
+    B, V = 8, 100
+    logits = 0.1 * torch.randn(B, tree.num_slots, V, generator=torch.Generator().manual_seed(0))
+    logits[:, :, 3] += 8.0                       # every draft token 3 is accepted: the walk goes to full depth
+    nodes = torch.full((B, tree.num_nodes), 3)
+    t = torch.full((B,), 0.7)
+    tk = None if top_k is None else torch.full((B,), top_k)
+    tp = None if top_p is None else torch.full((B,), top_p)
+    with _HostReads() as reads:
+        r = sample_verify(tree, nodes, logits, t, tk, tp, generator=torch.Generator().manual_seed(1))
+    depth = int(tree.depth.max())
+    assert all(len(a) == depth for a in r.accepted_slots)
+    assert reads.n <= depth + 1 + 4, reads.n
+
+
 # ---------------------------------------------------------------------- statistical losslessness
 V, L = 6, 3
 PROMPT = (1, 4)  # the root (pending token) is 4
