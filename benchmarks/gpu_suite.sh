@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one run, on a CUDA machine with torch, triton and transformers (vLLM is not
 # needed: gpu_check stands in for the few vLLM objects it uses).  Each step has a time limit; logs and results
-# go to DIR (default benchmarks/results/gpu), the step summary to stdout.  DEADLINE (seconds, default 480) caps
+# go to DIR (default benchmarks/results/gpu), the step summary to stdout.  DEADLINE (seconds, default 540) caps
 # the whole run: a step gets at most the time left, and one with under 20 s left is skipped.
 #
 #   bash benchmarks/gpu_suite.sh [DIR]
 #
-# Steps: the kernel tests compiled on the GPU; the batch-1 merge-variant sweep (profile_tree_attention.py);
-# gpu_check.py's full grid; the kernel grid at batch 1, 8 and 64 (bench_kernels.py); drafter training steps on
+# Steps: the kernel tests compiled on the GPU; the batch-1 merge-variant and pipeline sweeps
+# (profile_tree_attention.py); gpu_check.py's full grid; the kernel grid at batch 1, 8 and 64 (bench_kernels.py); drafter training steps on
 # the GPU against the same steps on the CPU (train_speed.py).
 set -u
 DIR=${1:-benchmarks/results/gpu}
@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import falcon_vllm.kernels" 2>/dev/null || ln -sfn ../kernels falcon_vllm/kernels
 NAME=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")  # e.g. h100
 
-DEADLINE=${DEADLINE:-480}
+DEADLINE=${DEADLINE:-540}
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2 start=$SECONDS
     shift 2
@@ -35,6 +35,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 TAIL=3 step kernel_tests 100 python3 -m pytest -q tests/test_kernels.py
 TAIL=14 step b1_variants 150 python3 benchmarks/profile_tree_attention.py --name "kernels_b1_variants_$NAME" \
     --out-dir "$DIR"
+TAIL=12 step b1_pipeline 150 python3 benchmarks/profile_tree_attention.py --pipeline --name "kernels_b1_pipeline_$NAME" \
+    --out-dir "$DIR"
 TAIL=16 step gpu_check 180 python3 benchmarks/gpu_check.py --name "gpu_check_$NAME" --out-dir "$DIR"
 for B in 1 8 64; do
     TAIL=2 step "kernels_b$B" 75 python3 benchmarks/bench_kernels.py --batch "$B" --name "kernels_${NAME}_b$B" \
@@ -42,5 +44,7 @@ for B in 1 8 64; do
 done
 TAIL=8 step train_cuda 90 python3 benchmarks/train_speed.py --device cuda --bf16 --steps 40 \
     --out "$DIR/train_speed_${NAME}_cuda.json"
+TAIL=8 step train_cuda_eagle 90 python3 benchmarks/train_speed.py --mode eagle --device cuda --bf16 --steps 40 \
+    --out "$DIR/train_speed_${NAME}_cuda_eagle.json"
 TAIL=8 step train_cpu 60 python3 benchmarks/train_speed.py --device cpu --steps 6 --threads 16 \
     --out "$DIR/train_speed_${NAME}_cpu16.json"
