@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_suite.sh [DIR]
 #
 # Steps: the kernel tests compiled on the GPU; the batch-1 merge-variant and pipeline sweeps
-# (profile_tree_attention.py); gpu_check.py's full grid; the kernel grid at batch 1, 8 and 64 (bench_kernels.py); drafter training steps on
-# the GPU against the same steps on the CPU (train_speed.py).
+# (profile_tree_attention.py); gpu_check.py's full grid; the kernel grid at batch 1, 8 and 64
+# (bench_kernels.py); drafter training steps on the GPU against the same steps on the CPU (train_speed.py).
 set -u
 DIR=${1:-benchmarks/results/gpu}
 mkdir -p "$DIR"
