@@ -13,7 +13,8 @@ set -u
 DIR=${1:-benchmarks/results/gpu}
 mkdir -p "$DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# without an install, falcon_vllm.kernels is the top-level kernels/ folder (setup.py's package_dir)
+# without an install, falcon_vllm.kernels is the top-level kernels/ folder (setup.py's package_dir): a link
+# falcon_vllm/kernels -> ../kernels is made in the checkout (remove it after, or `pip install -e .` first)
 python3 -c "import falcon_vllm.kernels" 2>/dev/null || ln -sfn ../kernels falcon_vllm/kernels
 NAME=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")  # e.g. h100
 

@@ -390,7 +390,9 @@ _LOCKS: dict = {}
 
 def _split_locks(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the fused combine, one per (tile, request, kv head), kept per device
-    (each launch's last arrivals reset theirs to zero, so the buffer is reused, CUDA-graph replays too)."""
+    (each launch's last arrivals reset theirs to zero, so the buffer is reused, CUDA-graph replays too).
+    Launches on one device must not overlap (one stream, as vLLM's model runner has); a first call with a
+    larger batch grows the buffer, so under CUDA-graph capture run the largest shape once before capturing."""
     buf = _LOCKS.get(device)
     if buf is None or buf.numel() < n:
         buf = _LOCKS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
