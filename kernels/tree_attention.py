@@ -44,7 +44,8 @@ prefix KV byte is read:
   stacks ``BLOCK_M`` rows = tokens x the Hq/Hkv query heads of that kv group (row r is token
   ``m0 + r // REP``, query head ``hk * REP + r % REP``), so each KV tile is loaded once for the
   whole group and feeds one ``tl.dot`` of M = BLOCK_M rows instead of REP separate passes.
-  BLOCK_M grows with W * REP (up to 128), so for W * REP <= 128 the prefix is read exactly once.
+  BLOCK_M grows with W * REP up to 64 (H100: 64-row tiles beat one 128-row tile even where the 128-row
+  tile would read the prefix once: more programs in flight), so for W * REP <= 64 the prefix is read once.
 * Paged prefix: a KV tile of BLOCK_N positions looks up each position's physical block in the
   block table (one int32 per key, L1/L2 resident) and loads contiguous D-element rows, so any
   block size works and no dense gather copy is materialised.
