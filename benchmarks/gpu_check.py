@@ -23,7 +23,7 @@ own functions (``falcon_vllm.vllm.tree_verify`` / ``tree_draft`` / ``paged_kv``)
   positions and hidden states; ``sampler-128k`` (CUDA only): B=64, a 128k vocabulary, peak memory.
 
 On CUDA every piece also gets its host syncs counted (``torch.cuda.set_sync_debug_mode("warn")``; the
-target attention and the compaction kernel must have none), its peak extra memory and its time (CUDA events,
+target attention and the compaction kernel must have none) and attributed to the Python lines that caused them, its peak extra memory and its time (CUDA events,
 median).  On CPU those columns are skipped.  vLLM objects the pieces need are vLLM's own when ``import vllm``
 works (or stand-ins with ``--stub-vllm``), else minimal stand-ins installed in ``sys.modules`` for the run:
 the attention impl (its class name and ``scale``), ``FlashAttentionMetadata`` and ``SamplerOutput``.  The
@@ -34,6 +34,7 @@ to build them).  Results: a table on stdout, ``<out-dir>/<name>.{json,md}``; exi
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import importlib.machinery
@@ -441,9 +442,17 @@ class Step:
 
 
 # ---------------------------------------------------------------------------- measuring (CUDA)
+def sync_sites(caught) -> dict[str, int]:
+    """'file:line' -> count of the sync warnings among ``caught`` (warnings.WarningMessage), most first: the
+    Python line that called the synchronizing op (paths relative to the checkout)."""
+    sites = collections.Counter(f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return dict(sites.most_common())
+
+
 @contextlib.contextmanager
 def syncs_counted(dev):
-    box = types.SimpleNamespace(n=None)
+    box = types.SimpleNamespace(n=None, sites=None)
     if dev.type != "cuda":
         yield box
         return
@@ -454,7 +463,8 @@ def syncs_counted(dev):
             yield box
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    box.n = sum("synchroniz" in str(w.message) for w in caught)
+    box.sites = sync_sites(caught)
+    box.n = sum(box.sites.values())
 
 
 @contextlib.contextmanager
@@ -491,8 +501,8 @@ class Checker:
     def piece(self, case_id, piece, path, prepare, run, check, per: int = 1, max_syncs: int | None = None):
         """prepare(); run() (once more first on CUDA: compilation, tables built once) with host syncs and peak
         memory counted; check(); then on CUDA the median time of ``reps`` more runs / ``per``."""
-        row = dict(case=case_id, piece=piece, path=path, ok=False, err=None, tol=None, syncs=None, peak_MiB=None,
-                   ms=None, note="")
+        row = dict(case=case_id, piece=piece, path=path, ok=False, err=None, tol=None, syncs=None, sync_sites=None,
+                   peak_MiB=None, ms=None, note="")
         cuda = self.dev.type == "cuda"
         try:
             if cuda:
@@ -502,7 +512,7 @@ class Checker:
             with peak_memory(self.dev) as mem, syncs_counted(self.dev) as syncs:  # peak_memory's syncs outside
                 run()
             row.update(check())
-            row["syncs"], row["peak_MiB"] = syncs.n, mem.mib
+            row["syncs"], row["sync_sites"], row["peak_MiB"] = syncs.n, syncs.sites, mem.mib
             if max_syncs is not None and syncs.n is not None and syncs.n > max_syncs:
                 row["ok"] = False
                 more = f"{syncs.n} host syncs (expected <= {max_syncs})"
@@ -849,9 +859,15 @@ def summary(rows) -> list[dict]:
         vals = [r[key] for r in rs if r[key] is not None]
         return f(vals) if vals else None
 
+    def sites(rs):  # host syncs by call site, summed over the piece's checks
+        total = collections.Counter()
+        for r in rs:
+            total.update(r.get("sync_sites") or {})
+        return dict(total.most_common(8))
+
     return [dict(piece=p, path=path, checks=len(rs), failed=sum(not r["ok"] for r in rs), max_err=worst(rs, "err"),
                  max_syncs=worst(rs, "syncs"), max_peak_MiB=worst(rs, "peak_MiB"),
-                 median_ms=worst(rs, "ms", statistics.median)) for (p, path), rs in out.items()]
+                 median_ms=worst(rs, "ms", statistics.median), sync_sites=sites(rs)) for (p, path), rs in out.items()]
 
 
 def to_markdown(res) -> str:
@@ -866,6 +882,11 @@ def to_markdown(res) -> str:
     for x in res["summary"]:
         lines.append(" | ".join(["", x["piece"], x["path"]] + [fmt(x[k]) for k in ("checks", "failed", "max_err",
                                  "max_syncs", "max_peak_MiB", "median_ms")] + [""]).strip())
+    with_sites = [x for x in res["summary"] if x.get("sync_sites")]
+    if with_sites:
+        lines += ["", "Host syncs by call site (summed over each piece's checks, the 8 most frequent):", ""]
+        lines += [f"- {x['piece']}: " + ", ".join(f"`{k}` {v}" for k, v in x["sync_sites"].items())
+                  for x in with_sites]
     lines += ["", "| case | " + " | ".join(COLS) + " |", "|---" * (len(COLS) + 1) + "|"]
     for r in res["rows"]:
         lines.append(f"| {r['case']} | " + " | ".join(fmt(r[c]).replace("|", "/") for c in COLS) + " |")

@@ -36,7 +36,8 @@ def test_cpu_mode_passes(tmp_path):
     accepted = [int(r["note"].split()[0]) for r in rows if r["piece"] == "sampler-topp"]
     assert max(accepted) >= 3                                     # sampling accepted deep paths somewhere
     # the GPU-only measurements are skipped on CPU, never faked
-    assert all(r["syncs"] is None and r["ms"] is None and r["peak_MiB"] is None for r in rows)
+    assert all(r["syncs"] is None and r["sync_sites"] is None and r["ms"] is None and r["peak_MiB"] is None
+               for r in rows)
     assert not any(r["piece"].startswith("sampler-128k") for r in rows) and res["skipped"]
     assert (tmp_path / "g.md").read_text().startswith("# GPU check: CPU")
     if "vLLM's own" in res["vllm"]:  # vLLM importable: its allocator's views were used and matched the stand-in's
@@ -85,3 +86,25 @@ def test_broken_oracle_or_plugin_fails(tmp_path, monkeypatch, piece):
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
     assert rows and all(r["piece"].startswith(piece) for r in rows)
     assert any(not r["ok"] for r in rows)
+
+
+def test_sync_sites_count_sync_warnings_by_caller():
+    """The CUDA sync count's breakdown: sync warnings grouped by the calling line (others ignored), most first."""
+    import warnings
+
+    def warn(msg, line):
+        return warnings.WarningMessage(msg, UserWarning, os.path.join(ROOT, "falcon_vllm", "verify.py"), line)
+
+    caught = [warn("called a synchronizing CUDA operation", 10), warn("other warning", 10),
+              warn("called a synchronizing CUDA operation", 20), warn("called a synchronizing CUDA operation", 20)]
+    assert gpu_check.sync_sites(caught) == {os.path.join("falcon_vllm", "verify.py") + ":20": 2,
+                                            os.path.join("falcon_vllm", "verify.py") + ":10": 1}
+    assert list(gpu_check.sync_sites(caught))[0].endswith(":20") and gpu_check.sync_sites([]) == {}
+    rows = [dict(case=f"c{i}", piece="sampler-topp", path="p", ok=True, err=None, tol=None, syncs=n, sync_sites=sites,
+                 peak_MiB=None, ms=None, note="") for i, (n, sites) in enumerate([(3, {"a.py:1": 2, "b.py:2": 1}),
+                                                                                   (2, {"b.py:2": 2})])]
+    summary = gpu_check.summary(rows)
+    assert summary[0]["sync_sites"] == {"b.py:2": 3, "a.py:1": 2} and summary[0]["max_syncs"] == 3
+    res = dict(device="d", command="c", torch="t", triton="t", vllm="v", cases=2, checks=2, failed=0, seconds=1.0,
+               summary=summary, rows=rows, skipped=[])
+    assert "- sampler-topp: `b.py:2` 3, `a.py:1` 2" in gpu_check.to_markdown(res)
