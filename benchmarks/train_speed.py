@@ -23,23 +23,27 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+from cpu_gemm_rows import cpu_name  # noqa: E402
 from falcon_vllm.train import trainer  # noqa: E402
 from falcon_vllm.train.gen_data import Sample  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
                rms_norm_eps=1e-5)
-RECIPE = {"falcon": dict(k=2, fusion="fc", layers=2, block_order="reversed", tree="falcon-llama"),
-          "eagle": dict(mode="eagle", fusion="fc", layers=1, tree="eagle-small")}
+_R = trainer.RECIPES["smollm2"]  # the shipped recipe's drafter settings, as run_recipe passes them to TrainConfig
+RECIPE = {"falcon": dict(k=_R["k"], fusion=_R["fusion"], layers=_R["falcon_layers"],
+                         block_order=_R["falcon_block_order"], tree=_R["tree"]),
+          "eagle": dict(mode="eagle", tree=_R["eagle_tree"])}
+LAST_STAGE_LR = _R["continue"][-1]["lr"]
 
 
 def build_target(args):
@@ -79,12 +83,7 @@ def default_conversations(steps: int, batch: int) -> int:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or "cpu"
-    return f"{name} ({os.cpu_count()} CPUs)"
+    return cpu_name()
 
 
 def run(args) -> dict:
@@ -106,7 +105,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     samples = make_samples(n, V, H, fixed_length=args.fixed_length)
     t_samples = time.perf_counter() - t0
-    draft_vocab = min(8192, V // 2)
+    draft_vocab = min(_R["draft_vocab"], V // 2)
     rec = {"t_teacher": 0.0, "ends": [], "starts": [], "epochs": [], "losses": [], "positions": [], "answer": [],
            "convs": []}
     step, cache = trainer.train_step, trainer.teacher_cache
@@ -139,7 +138,7 @@ def run(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
         cfg = trainer.TrainConfig(os.path.join(tmp, "drafter"), **RECIPE[args.mode], epochs=2,
-                                  batch_size=args.batch_size, lr=3e-4, max_steps=total, teacher_topk=64,
+                                  batch_size=args.batch_size, lr=LAST_STAGE_LR, max_steps=total, teacher_topk=64,
                                   draft_vocab=draft_vocab, bf16=args.bf16, device=args.device, eval_every_epoch=False,
                                   resume=False, eval_roots=args.eval_roots)
         trainer.train_step, trainer.teacher_cache = timed_step, timed_cache
@@ -210,7 +209,7 @@ def main(argv=None) -> dict:
     p.add_argument("--conversations", type=int, default=None,
                    help="synthetic conversations, 1/16 held out (default: all steps in one epoch, full batches, "
                         ">= 60 trained on)")
-    p.add_argument("--batch-size", type=int, default=8, help="conversations per step (the recipe's 8)")
+    p.add_argument("--batch-size", type=int, default=_R["batch_size"], help="conversations per step (the recipe's)")
     p.add_argument("--eval-roots", type=int, default=8, help="tree roots of the trainer's final held-out eval")
     p.add_argument("--target-dir", default=None, help="load this HF target dir instead of random SmolLM2 shapes")
     p.add_argument("--tiny", action="store_true", help="a tiny random target (vocab 512, hidden 64): for tests")

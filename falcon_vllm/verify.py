@@ -214,10 +214,12 @@ def prepare_sampling(temperature, top_k, top_p, B: int, V: int, device) -> Sampl
     if top_p is not None:
         p = _per_request(top_p, B, torch.float32, device, 1.0)
         stats.append((p < 1).any())
-    vals = torch.stack([x.to(device=device, dtype=torch.long) for x in stats]).tolist()  # the one host read
-    return Sampling(t, greedy, k, on, p, any_greedy=bool(vals[0]), all_greedy=bool(vals[1]) and B > 0,
-                    k_max=int(vals[2]) if top_k is not None else 0, any_top_p=bool(vals[-1]) if top_p is not None
-                    else False)
+    vals = iter(torch.stack([x.to(device=device, dtype=torch.long) for x in stats]).tolist())  # the one host read
+    any_greedy, all_greedy = bool(next(vals)), bool(next(vals)) and B > 0
+    k_max = int(next(vals)) if top_k is not None else 0
+    any_top_p = bool(next(vals)) if top_p is not None else False
+    return Sampling(t, greedy, k, on, p, any_greedy=any_greedy, all_greedy=all_greedy, k_max=k_max,
+                    any_top_p=any_top_p)
 
 
 def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None, *,
