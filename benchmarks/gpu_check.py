@@ -28,7 +28,8 @@ them, its peak extra memory and its time (CUDA events, median).  On CPU those co
 objects the pieces need are vLLM's own when ``import vllm`` works (or stand-ins with ``--stub-vllm``), else
 minimal stand-ins installed in ``sys.modules`` for the run: the attention impl (its class name and ``scale``),
 ``FlashAttentionMetadata`` and ``SamplerOutput``.  The runner, its input batch and sampling metadata are
-duck-typed namespaces either way (vLLM needs an engine to build them).  Results: a table on stdout, ``<out-dir>/<name>.{json,md}``; exit status 1 if any check fails.
+duck-typed namespaces either way (vLLM needs an engine to build them).  Results: a table on stdout,
+``<out-dir>/<name>.{json,md}``; exit status 1 if any check fails.
 """
 
 from __future__ import annotations
