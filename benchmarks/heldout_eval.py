@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--tree", default="chain-2", help="tree for sim tau ('own': each drafter's default tree)")
     p.add_argument("--sharegpt", default=None, help="gen-data dir(s), comma-separated: add its held-out 1/16")
     p.add_argument("--roots", type=int, default=400, help="tree roots per dataset for sim tau")
+    p.add_argument("--best-trees", default="",
+                   help="node counts, e.g. 16: also the sim tau of each drafter's best tree of that size, fitted "
+                        "to half of the roots and scored on the other half (tune_tree.cross_fit_tau)")
     p.add_argument("--work", default=".cache/heldout-eval")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -82,6 +85,7 @@ def main(argv=None) -> int:
         sets["sharegpt-heldout"] = data[-max(1, len(data) // 16):]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     rows = []
+    widths = [int(w) for w in a.best_trees.split(",") if w]
     for item in a.drafter:
         label, _, path = item.partition("=")
         if not path:
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
         tree = d.config.tree if a.tree == "own" else a.tree
         for name, samples in sets.items():
             with torch.no_grad():
-                r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots)
+                r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots, widths)
             row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
                    "block_order": d.config.block_order, "dataset": name, "conversations": len(samples),
                    "tree": tree, **r}
@@ -108,12 +112,14 @@ def main(argv=None) -> int:
              f"The target's greedy answers (first turn, at most {a.max_new_tokens} tokens) to the first "
              f"{a.num_prompts} prompts of each dataset; the drafters read the target's true features. top-1: the "
              "drafter's argmax equals the target's token, per block position; sim tau: mean tokens per step on the "
-             "tree (bonus included). Cells: top-1 by block position / sim tau.", "",
+             "tree (bonus included). Cells: top-1 by block position / sim tau"
+             + (" / sim tau of the drafter's best tree of " + ", ".join(map(str, widths)) + " nodes (fitted to half of "
+                "the roots with 8 tokens after them, scored on the other half)" if widths else "") + ".", "",
              "| drafter | tree | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for label in dict.fromkeys(r["drafter"] for r in rows):
         mine = {r["dataset"]: r for r in rows if r["drafter"] == label}
         cells = [", ".join(f"{x:.3f}" for x in mine[n]["top1_by_block_position"]) + f" / {mine[n]['sim_tau']:.3f}"
-                 for n in names]
+                 + "".join(f" / {t:.3f}" for t in mine[n].get("best_tree_sim_tau", {}).values()) for n in names]
         lines.append(f"| {label} | {mine[names[0]]['tree']} | " + " | ".join(cells) + " |")
     with open(os.path.join(a.out_dir, f"{a.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -102,6 +102,27 @@ def best_tree(profiles: list[tuple[int, ...]], num_nodes: int) -> tuple[list[lis
     return [list(p) for p in paths], tau
 
 
+def accepted_length(ranks: tuple[int, ...], nodes: set) -> int:
+    """Draft tokens a tree (its node set of rank paths) accepts on a root with true-path ``ranks``."""
+    a = 0
+    while a < len(ranks) and tuple(ranks[:a + 1]) in nodes:
+        a += 1
+    return a
+
+
+def cross_fit_tau(profiles: list[tuple[int, ...]], num_nodes: int, folds: int = 2) -> float:
+    """Tau of the best ``num_nodes``-node tree, scored on roots it was not fitted on: the profiles are
+    dealt into ``folds`` folds, each fold scores the tree fitted on the others, and the roots' accepted
+    lengths are averaged (``best_tree``'s own tau, fitted and scored on the same roots, is optimistic)."""
+    accepted = []
+    for f in range(folds):
+        fit = [p for i, p in enumerate(profiles) if i % folds != f]
+        paths, _ = best_tree(fit, num_nodes)
+        nodes = {tuple(p) for p in paths}
+        accepted += [accepted_length(p, nodes) for i, p in enumerate(profiles) if i % folds == f]
+    return 1.0 + sum(accepted) / max(1, len(accepted))
+
+
 @torch.inference_mode()
 def verify_cost(target, batch_size: int, width: int, prefix: int = 256, repeats: int = 3,
                 head_on_every_row: bool = True) -> float:

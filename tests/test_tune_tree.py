@@ -2,7 +2,7 @@ import torch
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.tune_tree import best_tree, choose_trees, rank_profile
+from falcon_vllm.tune_tree import accepted_length, best_tree, choose_trees, cross_fit_tau, rank_profile
 
 torch.set_num_threads(1)
 
@@ -14,6 +14,20 @@ def test_best_tree_is_prefix_closed_and_expected_tau():
     DecodingTree(paths, 1)
     # P([0]) = 4/6, P([0,0]) = 3/6, P([0,0,0]) = 2/6
     assert abs(tau - (1 + 9 / 6)) < 1e-9
+
+
+def test_cross_fit_tau_scores_roots_the_tree_was_not_fitted_on():
+    nodes = {(0,), (0, 0), (1,)}
+    assert [accepted_length(p, nodes) for p in [(0, 0, 0), (0, 1), (1, 0), (2,), ()]] == [2, 1, 1, 0, 0]
+    # even roots all (0, 0), odd roots all (1, 1): a 2-node tree fitted on one half misses the other
+    profiles = [(0, 0), (1, 1)] * 4
+    assert best_tree(profiles, 2)[1] == 2.0                  # fitted and scored on the same roots
+    assert cross_fit_tau(profiles, 2) == 1.0                 # each half scored by the other half's tree
+    mixed = [(0, 0), (0, 0), (1, 1), (1, 1)] * 2              # both halves hold both paths
+    assert cross_fit_tau(mixed, 4) == 3.0                    # room for both: every root accepted whole
+    assert cross_fit_tau(mixed, 2) == 2.0                    # the two roots of depth 1
+    same = [p for p in [(0, 0, 1), (0, 1), (0, 0, 0), ()] * 3 for _ in range(2)]  # both folds alike
+    assert abs(cross_fit_tau(same, 3) - best_tree(same, 3)[1]) < 1e-9  # identical folds: no optimism to remove
 
 
 def test_rank_profile_exact_drafter_is_all_zero():

@@ -342,9 +342,11 @@ def init_distributed(device: str) -> tuple[int, int, str]:
 
 # ---------------------------------------------------------------------- evaluation
 @torch.inference_mode()
-def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120):
-    """Held-out per-block-position top-1 accuracy and simulated tau of ``tree``."""
-    from falcon_vllm.tune_tree import rank_profile
+def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120, best_widths=()):
+    """Held-out per-block-position top-1 accuracy and simulated tau of ``tree``; with ``best_widths``,
+    also the simulated tau of the best tree of each of those sizes, fitted to half of the roots and
+    scored on the other half (``tune_tree.cross_fit_tau``; rank profiles to depth 8, top-10 ranks)."""
+    from falcon_vllm.tune_tree import accepted_length, cross_fit_tau
 
     drafter.eval()
     correct = torch.zeros(k)
@@ -365,25 +367,34 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120)
             correct[o] += (hit & m).sum()
             total[o] += m.sum()
     nodes = set(tree.nodes)
-    accepted, roots = [], 0
-    topk = max(tree.topk, 1)
+    profiles = _root_profiles(drafter, samples, k, tree.max_depth, max(tree.topk, 1), max_roots, dev)
+    accepted = [accepted_length(p, nodes) for p in profiles]
+    out = {"top1_by_block_position": [round(x, 4) for x in (correct / total.clamp(min=1)).tolist()],
+           "sim_tau": round(1 + sum(accepted) / max(1, len(accepted)), 4), "sim_roots": len(accepted)}
+    if best_widths:  # roots with room for depth 8 (the named tree's roots need room for its own depth)
+        deep = _root_profiles(drafter, samples, k, 8, 10, max_roots, dev)
+        out["best_tree_sim_tau"] = {int(w): round(cross_fit_tau(deep, int(w)), 4) for w in best_widths}
+        out["best_tree_roots"] = len(deep)
+    drafter.train()
+    return out
+
+
+def _root_profiles(drafter, samples, k: int, depth: int, topk: int, max_roots: int, dev) -> list:
+    """Rank profiles (``tune_tree.rank_profile``) at every 3rd answer position with ``depth`` tokens after it,
+    at most ``max_roots`` in all, conversations in order."""
+    from falcon_vllm.tune_tree import rank_profile
+
+    profiles, roots = [], 0
     for s in samples:
         tok, mask, hid = s.tokens, s.loss_mask, s.features
         start = int(mask.nonzero()[0]) if mask.any() else len(tok)
-        rs = list(range(max(start, k), len(tok) - tree.max_depth - 1, 3))
+        rs = list(range(max(start, k), len(tok) - depth - 1, 3))
         if not rs or roots >= max_roots:
             continue
         rs = rs[: max_roots - roots]
         roots += len(rs)
-        for prof in rank_profile(drafter, tok.to(dev), hid.to(dev).float(), tree.max_depth, topk, rs):
-            a = 0
-            while a < len(prof) and tuple(prof[:a + 1]) in nodes:
-                a += 1
-            accepted.append(a)
-    drafter.train()
-    acc = (correct / total.clamp(min=1)).tolist()
-    return {"top1_by_block_position": [round(x, 4) for x in acc],
-            "sim_tau": round(1 + sum(accepted) / max(1, len(accepted)), 4), "sim_roots": len(accepted)}
+        profiles += rank_profile(drafter, tok.to(dev), hid.to(dev).float(), depth, topk, rs)
+    return profiles
 
 
 # ---------------------------------------------------------------------- training loop
