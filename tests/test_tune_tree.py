@@ -59,3 +59,26 @@ def test_rank_profile_random_drafter_runs():
         feats = tgt.base_model(input_ids=seq[None]).last_hidden_state[0]
     prof = rank_profile(d, seq, feats, max_depth=6, topk=128)
     assert all(len(p) == 6 for p in prof)  # top-128 of 128: every true token has a rank
+
+
+def test_held_out_roots_are_spread_over_the_conversations(monkeypatch):
+    import falcon_vllm.tune_tree as tt
+    from falcon_vllm.train.gen_data import Sample
+    from falcon_vllm.train.trainer import _root_profiles
+
+    seen = []
+
+    def fake_profile(drafter, tokens, feats, depth, topk, roots):
+        seen.append((int(tokens[0]), list(roots)))
+        return [()] * len(roots)
+
+    monkeypatch.setattr(tt, "rank_profile", fake_profile)
+    # 6 conversations of 100 tokens, the answer from position 10: 28 candidate roots each
+    samples = [Sample(torch.full((100,), i), torch.arange(100) >= 10, torch.zeros(100, 4)) for i in range(6)]
+    profiles = _root_profiles(None, samples, 2, 8, 10, 24, "cpu")
+    assert len(profiles) == 24
+    assert [c for c, _ in seen] == list(range(6))           # every conversation contributes, not the first one
+    for _, roots in seen:
+        assert len(roots) == 4 and roots == sorted(roots)
+        assert roots[0] == 10 and roots[-1] >= 60               # evenly spaced over the answer
+        assert all(r % 3 == 1 and r < 100 - 8 - 1 for r in roots)

@@ -380,20 +380,27 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
 
 
 def _root_profiles(drafter, samples, k: int, depth: int, topk: int, max_roots: int, dev) -> list:
-    """Rank profiles (``tune_tree.rank_profile``) at every 3rd answer position with ``depth`` tokens after it,
-    at most ``max_roots`` in all, conversations in order."""
+    """Rank profiles (``tune_tree.rank_profile``) at answer positions with ``depth`` tokens after them (every 3rd
+    such position), at most ``max_roots`` in all, spread over the conversations: each conversation gives at
+    most ceil(max_roots / conversations) of its positions, evenly spaced (roots of one conversation are
+    correlated: the first ``max_roots`` in order would come from a handful of conversations)."""
     from falcon_vllm.tune_tree import rank_profile
 
-    profiles, roots = [], 0
+    cands = []
     for s in samples:
-        tok, mask, hid = s.tokens, s.loss_mask, s.features
-        start = int(mask.nonzero()[0]) if mask.any() else len(tok)
-        rs = list(range(max(start, k), len(tok) - depth - 1, 3))
-        if not rs or roots >= max_roots:
+        mask = s.loss_mask
+        start = int(mask.nonzero()[0]) if mask.any() else len(s.tokens)
+        cands.append(list(range(max(start, k), len(s.tokens) - depth - 1, 3)))
+    n = sum(1 for c in cands if c)
+    per = -(-max_roots // max(1, n))
+    profiles = []
+    for s, rs in zip(samples, cands):
+        if not rs or len(profiles) >= max_roots:
             continue
-        rs = rs[: max_roots - roots]
-        roots += len(rs)
-        profiles += rank_profile(drafter, tok.to(dev), hid.to(dev).float(), depth, topk, rs)
+        if len(rs) > per:
+            rs = [rs[(i * len(rs)) // per] for i in range(per)]
+        rs = rs[: max_roots - len(profiles)]
+        profiles += rank_profile(drafter, s.tokens.to(dev), s.features.to(dev).float(), depth, topk, rs)
     return profiles
 
 
