@@ -56,34 +56,24 @@ TREES = {2: ["falcon-llama", "falcon-vicuna", "chain-4", "chain-6", "chain-8"],
          1: ["eagle-small", "eagle-medium", "chain-4", "chain-6", "chain-8"]}
 
 
-def sim_tau_trees(drafter, samples, names, max_roots: int = 240, stride: int = 3):
-    """Held-out simulated tau of several trees from one set of true-path rank profiles (top-20, depth 8)."""
+def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
+    """Held-out simulated tau of several trees from one set of true-path rank profiles (top-20, depth 8), the
+    roots spread over the conversations as in the trainer's evaluation (``trainer.root_profiles``)."""
     import torch
 
+    from falcon_vllm.train.trainer import root_profiles
     from falcon_vllm.tree import build_tree
-    from falcon_vllm.tune_tree import rank_profile
+    from falcon_vllm.tune_tree import accepted_length
 
     k = drafter.config.k
     trees = {n: build_tree(n, k) for n in names}
     depth = max(t.max_depth for t in trees.values())
-    profs = []
     with torch.inference_mode():
-        for s in samples:
-            start = int(s.loss_mask.nonzero()[0]) if s.loss_mask.any() else len(s.tokens)
-            rs = list(range(max(start, k), len(s.tokens) - depth - 1, stride))[: max_roots - len(profs)]
-            if rs:
-                profs += rank_profile(drafter, s.tokens, s.features.float(), depth, 20, rs)
-            if len(profs) >= max_roots:
-                break
+        profs = root_profiles(drafter, samples, k, depth, 20, max_roots, "cpu")
     out = {"roots": len(profs)}
     for n, t in trees.items():
         nodes = set(t.nodes)
-        acc = []
-        for prof in profs:
-            a = 0
-            while a < len(prof) and tuple(prof[:a + 1]) in nodes:
-                a += 1
-            acc.append(a)
+        acc = [accepted_length(p, nodes) for p in profs]
         out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "sim_tau_se": round(_se(acc), 4),
                   "nodes": t.num_nodes, "drafter_passes": t.num_passes, "accepted": acc}
     return out

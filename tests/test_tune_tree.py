@@ -64,7 +64,7 @@ def test_rank_profile_random_drafter_runs():
 def test_held_out_roots_are_spread_over_the_conversations(monkeypatch):
     import falcon_vllm.tune_tree as tt
     from falcon_vllm.train.gen_data import Sample
-    from falcon_vllm.train.trainer import _root_profiles
+    from falcon_vllm.train.trainer import root_profiles
 
     seen = []
 
@@ -75,7 +75,7 @@ def test_held_out_roots_are_spread_over_the_conversations(monkeypatch):
     monkeypatch.setattr(tt, "rank_profile", fake_profile)
     # 6 conversations of 100 tokens, the answer from position 10: 28 candidate roots each
     samples = [Sample(torch.full((100,), i), torch.arange(100) >= 10, torch.zeros(100, 4)) for i in range(6)]
-    profiles = _root_profiles(None, samples, 2, 8, 10, 24, "cpu")
+    profiles = root_profiles(None, samples, 2, 8, 10, 24, "cpu")
     assert len(profiles) == 24
     assert [c for c, _ in seen] == list(range(6))           # every conversation contributes, not the first one
     for _, roots in seen:

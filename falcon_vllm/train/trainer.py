@@ -367,19 +367,19 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
             correct[o] += (hit & m).sum()
             total[o] += m.sum()
     nodes = set(tree.nodes)
-    profiles = _root_profiles(drafter, samples, k, tree.max_depth, max(tree.topk, 1), max_roots, dev)
+    profiles = root_profiles(drafter, samples, k, tree.max_depth, max(tree.topk, 1), max_roots, dev)
     accepted = [accepted_length(p, nodes) for p in profiles]
     out = {"top1_by_block_position": [round(x, 4) for x in (correct / total.clamp(min=1)).tolist()],
            "sim_tau": round(1 + sum(accepted) / max(1, len(accepted)), 4), "sim_roots": len(accepted)}
     if best_widths:  # roots with room for depth 8 (the named tree's roots need room for its own depth)
-        deep = _root_profiles(drafter, samples, k, 8, 10, max_roots, dev)
+        deep = root_profiles(drafter, samples, k, 8, 10, max_roots, dev)
         out["best_tree_sim_tau"] = {int(w): round(cross_fit_tau(deep, int(w)), 4) for w in best_widths}
         out["best_tree_roots"] = len(deep)
     drafter.train()
     return out
 
 
-def _root_profiles(drafter, samples, k: int, depth: int, topk: int, max_roots: int, dev) -> list:
+def root_profiles(drafter, samples, k: int, depth: int, topk: int, max_roots: int, dev) -> list:
     """Rank profiles (``tune_tree.rank_profile``) at answer positions with ``depth`` tokens after them (every 3rd
     such position), at most ``max_roots`` in all, spread over the conversations: each conversation gives at
     most ceil(max_roots / conversations) of its positions, evenly spaced (roots of one conversation are
