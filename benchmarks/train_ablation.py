@@ -63,7 +63,7 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
 
     from falcon_vllm.train.trainer import root_profiles
     from falcon_vllm.tree import build_tree
-    from falcon_vllm.tune_tree import accepted_length
+    from falcon_vllm.tune_tree import accepted_length, standard_error
 
     k = drafter.config.k
     trees = {n: build_tree(n, k) for n in names}
@@ -74,26 +74,19 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
     for n, t in trees.items():
         nodes = set(t.nodes)
         acc = [accepted_length(p, nodes) for p in profs]
-        out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "sim_tau_se": round(_se(acc), 4),
+        out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "sim_tau_se": round(standard_error(acc), 4),
                   "nodes": t.num_nodes, "drafter_passes": t.num_passes, "accepted": acc}
     return out
 
 
-def _se(xs) -> float:
-    """Standard error of the mean."""
-    n = len(xs)
-    if n < 2:
-        return float("nan")
-    m = sum(xs) / n
-    return (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5
-
-
 def paired_diff(a, b):
     """Mean and standard error of a - b over the same held-out roots (None when the roots differ)."""
+    from falcon_vllm.tune_tree import standard_error
+
     if not a or len(a) != len(b):
         return None
     d = [x - y for x, y in zip(a, b)]
-    return sum(d) / len(d), _se(d)
+    return sum(d) / len(d), standard_error(d)
 
 
 def rescore(args, name) -> None:

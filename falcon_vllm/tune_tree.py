@@ -110,17 +110,32 @@ def accepted_length(ranks: tuple[int, ...], nodes: set) -> int:
     return a
 
 
-def cross_fit_tau(profiles: list[tuple[int, ...]], num_nodes: int, folds: int = 2) -> float:
-    """Tau of the best ``num_nodes``-node tree, scored on roots it was not fitted on: the profiles are
-    dealt into ``folds`` folds, each fold scores the tree fitted on the others, and the roots' accepted
-    lengths are averaged (``best_tree``'s own tau, fitted and scored on the same roots, is optimistic)."""
+def cross_fit_accepted(profiles: list[tuple[int, ...]], num_nodes: int, folds: int = 2) -> list[int]:
+    """Accepted draft tokens per root of the best ``num_nodes``-node tree, scored on roots it was not fitted
+    on: the profiles are dealt into ``folds`` folds and each fold is scored by the tree fitted on the others
+    (``best_tree``'s own tau, fitted and scored on the same roots, is optimistic).  Roots in fold order."""
     accepted = []
     for f in range(folds):
         fit = [p for i, p in enumerate(profiles) if i % folds != f]
         paths, _ = best_tree(fit, num_nodes)
         nodes = {tuple(p) for p in paths}
         accepted += [accepted_length(p, nodes) for i, p in enumerate(profiles) if i % folds == f]
+    return accepted
+
+
+def cross_fit_tau(profiles: list[tuple[int, ...]], num_nodes: int, folds: int = 2) -> float:
+    """Tau (bonus token included) of the best ``num_nodes``-node tree on roots it was not fitted on."""
+    accepted = cross_fit_accepted(profiles, num_nodes, folds)
     return 1.0 + sum(accepted) / max(1, len(accepted))
+
+
+def standard_error(xs) -> float:
+    """Standard error of the mean (nan below two values)."""
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    m = sum(xs) / n
+    return (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5
 
 
 @torch.inference_mode()

@@ -1,8 +1,11 @@
+import math
+
 import torch
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.tune_tree import accepted_length, best_tree, choose_trees, cross_fit_tau, rank_profile
+from falcon_vllm.tune_tree import (accepted_length, best_tree, choose_trees, cross_fit_accepted, cross_fit_tau,
+                                   rank_profile, standard_error)
 
 torch.set_num_threads(1)
 
@@ -26,6 +29,8 @@ def test_cross_fit_tau_scores_roots_the_tree_was_not_fitted_on():
     mixed = [(0, 0), (0, 0), (1, 1), (1, 1)] * 2              # both halves hold both paths
     assert cross_fit_tau(mixed, 4) == 3.0                    # room for both: every root accepted whole
     assert cross_fit_tau(mixed, 2) == 2.0                    # the two roots of depth 1
+    assert cross_fit_accepted(profiles, 2) == [0] * 8        # fold 0 (even roots), then fold 1
+    assert abs(standard_error([1, 2, 3, 4]) - (5 / 12) ** 0.5) < 1e-12 and math.isnan(standard_error([1]))
     same = [p for p in [(0, 0, 1), (0, 1), (0, 0, 0), ()] * 3 for _ in range(2)]  # both folds alike
     assert abs(cross_fit_tau(same, 3) - best_tree(same, 3)[1]) < 1e-9  # identical folds: no optimism to remove
 
