@@ -63,7 +63,7 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
 
     from falcon_vllm.train.trainer import root_profiles
     from falcon_vllm.tree import build_tree
-    from falcon_vllm.tune_tree import accepted_length, standard_error
+    from falcon_vllm.tune_tree import accepted_length, mean_tau, standard_error
 
     k = drafter.config.k
     trees = {n: build_tree(n, k) for n in names}
@@ -74,7 +74,7 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
     for n, t in trees.items():
         nodes = set(t.nodes)
         acc = [accepted_length(p, nodes) for p in profs]
-        out[n] = {"sim_tau": round(1 + sum(acc) / max(1, len(acc)), 4), "sim_tau_se": round(standard_error(acc), 4),
+        out[n] = {"sim_tau": round(mean_tau(acc), 4), "sim_tau_se": round(standard_error(acc), 4),
                   "nodes": t.num_nodes, "drafter_passes": t.num_passes, "accepted": acc}
     return out
 

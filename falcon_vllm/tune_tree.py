@@ -110,6 +110,11 @@ def accepted_length(ranks: tuple[int, ...], nodes: set) -> int:
     return a
 
 
+def mean_tau(accepted) -> float:
+    """Tokens per step (the bonus token included) of roots that accepted ``accepted`` draft tokens each."""
+    return 1.0 + sum(accepted) / max(1, len(accepted))
+
+
 def cross_fit_accepted(profiles: list[tuple[int, ...]], num_nodes: int, folds: int = 2) -> list[int]:
     """Accepted draft tokens per root of the best ``num_nodes``-node tree, scored on roots it was not fitted
     on: the profiles are dealt into ``folds`` folds and each fold is scored by the tree fitted on the others
@@ -125,8 +130,7 @@ def cross_fit_accepted(profiles: list[tuple[int, ...]], num_nodes: int, folds: i
 
 def cross_fit_tau(profiles: list[tuple[int, ...]], num_nodes: int, folds: int = 2) -> float:
     """Tau (bonus token included) of the best ``num_nodes``-node tree on roots it was not fitted on."""
-    accepted = cross_fit_accepted(profiles, num_nodes, folds)
-    return 1.0 + sum(accepted) / max(1, len(accepted))
+    return mean_tau(cross_fit_accepted(profiles, num_nodes, folds))
 
 
 def standard_error(xs) -> float:

@@ -78,7 +78,7 @@ def test_held_out_roots_are_spread_over_the_conversations(monkeypatch):
         return [()] * len(roots)
 
     monkeypatch.setattr(tt, "rank_profile", fake_profile)
-    # 6 conversations of 100 tokens, the answer from position 10: 28 candidate roots each
+    # 6 conversations of 100 tokens, the answer from position 10: 27 candidate roots each (10, 13, .., 88)
     samples = [Sample(torch.full((100,), i), torch.arange(100) >= 10, torch.zeros(100, 4)) for i in range(6)]
     profiles = root_profiles(None, samples, 2, 8, 10, 24, "cpu")
     assert len(profiles) == 24

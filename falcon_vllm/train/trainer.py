@@ -345,8 +345,9 @@ def init_distributed(device: str) -> tuple[int, int, str]:
 def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120, best_widths=()):
     """Held-out per-block-position top-1 accuracy and simulated tau of ``tree``; with ``best_widths``,
     also the simulated tau of the best tree of each of those sizes, fitted to half of the roots and
-    scored on the other half (``tune_tree.cross_fit_tau``; rank profiles to depth 8, top-10 ranks)."""
-    from falcon_vllm.tune_tree import accepted_length, cross_fit_accepted, standard_error
+    scored on the other half (``tune_tree.cross_fit_accepted``; rank profiles to depth 8, top-10 ranks).  Each
+    sim tau comes with its standard error over the roots."""
+    from falcon_vllm.tune_tree import accepted_length, cross_fit_accepted, mean_tau, standard_error
 
     drafter.eval()
     correct = torch.zeros(k)
@@ -370,12 +371,12 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
     profiles = root_profiles(drafter, samples, k, tree.max_depth, max(tree.topk, 1), max_roots, dev)
     accepted = [accepted_length(p, nodes) for p in profiles]
     out = {"top1_by_block_position": [round(x, 4) for x in (correct / total.clamp(min=1)).tolist()],
-           "sim_tau": round(1 + sum(accepted) / max(1, len(accepted)), 4),
+           "sim_tau": round(mean_tau(accepted), 4),
            "sim_tau_se": round(standard_error(accepted), 4), "sim_roots": len(accepted)}
     if best_widths:  # roots with room for depth 8 (the named tree's roots need room for its own depth)
         deep = root_profiles(drafter, samples, k, 8, 10, max_roots, dev)
         fits = {int(w): cross_fit_accepted(deep, int(w)) for w in best_widths}
-        out["best_tree_sim_tau"] = {w: round(1 + sum(a) / max(1, len(a)), 4) for w, a in fits.items()}
+        out["best_tree_sim_tau"] = {w: round(mean_tau(a), 4) for w, a in fits.items()}
         out["best_tree_sim_tau_se"] = {w: round(standard_error(a), 4) for w, a in fits.items()}
         out["best_tree_roots"] = len(deep)
     drafter.train()
