@@ -316,6 +316,65 @@ def test_gen_data_two_turns(target):
     assert len(out[1].tokens) == len(prompts[1]) + 6  # a single-turn conversation stays single-turn
 
 
+def test_gen_data_continues_stored_first_turns(tmp_path, target, monkeypatch):
+    """--answers of first turns with --max-turns 2: only the second turns are generated, the result is token for
+    token the two-turn run's, and --loss-from-turn 2 leaves the first turns as context (loss mask 0)."""
+    from falcon_vllm.train import gen_data
+
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]
+              + ([{"from": "human", "value": f"z{i}" * 2}, {"from": "gpt", "value": "b"}] if i % 3 else [])}
+             for i in range(6)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    kw = dict(model=target, tokenizer=_FakeTokenizer(), data=str(tmp_path / "sg.json"), backend="hf", shard_size=4)
+    gen_data.run("tiny", str(tmp_path / "one"), 6, 8, **kw)
+    gen_data.save_answers(str(tmp_path / "one"), str(tmp_path / "one.safetensors"))
+    both = load_shards(str(gen_data.run("tiny", str(tmp_path / "both"), 6, 8, max_turns=2, **kw)))
+    first = load_shards(str(tmp_path / "one"))
+    asked = []
+    real = gen_data.greedy_batch
+
+    def recording(model, prompts, *a, **k):
+        asked.extend(prompts)
+        return real(model, prompts, *a, **k)
+    monkeypatch.setattr(gen_data, "greedy_batch", recording)
+    later = load_shards(str(gen_data.run("tiny", str(tmp_path / "later"), 6, 8, max_turns=2, loss_from_turn=2,
+                                         answers=str(tmp_path / "one.safetensors"), **kw)))
+    assert len(asked) == 4  # the four conversations with a second question, none of their first turns again
+    assert all(len(p) > len(f.tokens) for p, f in zip(asked, [f for i, f in enumerate(first) if i % 3]))
+    for i, (b, f, l) in enumerate(zip(both, first, later)):
+        n = len(f.tokens)
+        assert torch.equal(l.tokens, b.tokens) and torch.equal(l.tokens[:n], f.tokens)
+        assert not l.loss_mask[:n].any() and torch.equal(l.loss_mask[n:], b.loss_mask[n:])
+        assert l.loss_mask.any() == bool(i % 3)  # a one-question conversation has nothing to train on
+    man = json.loads((tmp_path / "later" / "manifest.json").read_text())
+    assert man["loss_from_turn"] == 2 and all(sh["from_answers"] and sh["generate_s"] > 0 for sh in man["shards"])
+    gen_data.save_answers(str(tmp_path / "both"), str(tmp_path / "both.safetensors"))
+    with pytest.raises(ValueError, match="max_turns '2' \\(this run: '1'\\)"):  # more turns than asked: refused
+        gen_data.run("tiny", str(tmp_path / "x"), 4, 8, answers=str(tmp_path / "both.safetensors"), **kw)
+    with pytest.raises(ValueError, match="--loss-from-turn must be in 1..--max-turns"):
+        gen_data.run("tiny", str(tmp_path / "y"), 4, 8, max_turns=2, loss_from_turn=3, **kw)
+
+
+def test_extra_data_trains_only_outside_the_held_out_set(tmp_path, target, data):
+    """--extra-data conversations join the training set, never the held-out one; one that begins like a
+    held-out conversation, and one without an answer token, are left out."""
+    from falcon_vllm.train.trainer import outside_of
+
+    held = data[-2:]  # 40 conversations: the last 2 are held out
+    no_answer = data[3]._replace(loss_mask=torch.zeros_like(data[3].loss_mask))
+    extra = [data[1], held[0], data[2], no_answer]
+    assert outside_of(extra, held) == [data[1], data[2], no_answer]
+    (tmp_path / "x").mkdir()
+    write_shard(tmp_path / "x" / "shard_00000.safetensors",
+                [Sample(s.tokens.int(), s.loss_mask.to(torch.uint8), s.features) for s in extra])
+    (tmp_path / "x" / "manifest.json").write_text(json.dumps({"shards": [{"file": "shard_00000.safetensors"}]}))
+    res = train(TrainConfig(str(tmp_path / "d"), k=2, epochs=1, batch_size=8, eval_every_epoch=False, eval_roots=12,
+                            extra_data_dir=str(tmp_path / "x")), samples=data, target=target, log=lambda *a: None)
+    f = res["final"]
+    assert (f["train_conversations"], f["extra_conversations"], f["extra_left_out"]) == (40, 2, 1)
+    assert f["heldout_conversations"] == 2
+
+
 DDP_CONVERSATIONS = 18  # 17 for training (the last 1/16, at least 1, is held out)
 
 

@@ -195,13 +195,25 @@ def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_to
 
 
 def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, max_turns: int,
-                 max_total_tokens: int):
+                 max_total_tokens: int, stored=None, stored_turns: int = 0, loss_from_turn: int = 1):
     """Tokens and assistant masks of up to ``max_turns`` regenerated assistant turns per conversation
-    (later human questions from the data; each turn's prompts answered in one ``generate`` call)."""
-    seqs = [list(p) for p in prompts]
-    masks = [[0] * len(p) for p in prompts]
-    live = list(range(len(prompts)))
-    for turn in range(max_turns):
+    (later human questions from the data; each turn's prompts answered in one ``generate`` call).
+
+    ``stored``: per conversation, (tokens, loss mask) of its first turns as generated before (a ``--answers``
+    file made with ``stored_turns`` < ``max_turns`` turns): they are continued, not generated again; a
+    conversation continues only if it holds ``stored_turns`` turns (one that stopped early has no later turn).
+    ``loss_from_turn``: assistant turns before this one (1-based) keep loss mask 0, context only (a data set
+    of later turns that does not repeat the first ones)."""
+    if stored is None:
+        seqs, masks, start = [list(p) for p in prompts], [[0] * len(p) for p in prompts], 0
+        live = list(range(len(prompts)))
+    else:
+        seqs, masks = [list(t) for t, _ in stored], [list(m) for _, m in stored]
+        start = stored_turns
+        live = [i for i, m in enumerate(masks) if answer_turn_count(m) == start]
+        if loss_from_turn > 1:  # the stored turns are all before any later one
+            masks = [[0] * len(m) for m in masks]
+    for turn in range(start, max_turns):
         if turn > 0:
             nxt = []
             for i in live:
@@ -220,10 +232,16 @@ def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, m
             live = nxt
         if not live:
             break
+        trained = int(turn + 1 >= loss_from_turn)
         for i, g in zip(live, generate([seqs[i] for i in live], max_new_tokens)):
             seqs[i] += g
-            masks[i] += [1] * len(g)
+            masks[i] += [trained] * len(g)
     return seqs, masks
+
+
+def answer_turn_count(mask) -> int:
+    """Assistant turns in a loss mask whose every turn is trained: its runs of ones."""
+    return sum(1 for a, b in zip([0] + list(mask[:-1]), mask) if b and not a)
 
 
 def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
@@ -240,7 +258,8 @@ def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids
 
 
 ANSWER_KEYS = ("target", "max_new_tokens", "max_turns", "max_total_tokens", "max_prompt_tokens",
-               "skip_conversations")
+               "skip_conversations", "loss_from_turn")
+ANSWER_DEFAULTS = {"loss_from_turn": "1"}  # files written before the key existed
 
 
 def save_answers(out_dir: str, path: str) -> int:
@@ -260,7 +279,7 @@ def save_answers(out_dir: str, path: str) -> int:
         toks.append(t)
         masks.append(m)
         offsets += (off[1:] + offsets[-1]).tolist()
-    meta = {k: str(man.get(k)) for k in ANSWER_KEYS}
+    meta = {k: str(man.get(k, ANSWER_DEFAULTS.get(k))) for k in ANSWER_KEYS}
     meta["conversations"] = str(len(offsets) - 1)
     tmp = path + ".tmp"
     save_file({"tokens": torch.cat(toks).to(torch.int32), "loss_mask": torch.cat(masks).to(torch.uint8),
@@ -269,9 +288,10 @@ def save_answers(out_dir: str, path: str) -> int:
     return len(offsets) - 1
 
 
-def load_answers(path: str, expect: dict) -> list[tuple[list[int], list[int]]]:
-    """(tokens, loss mask) per conversation of a ``save_answers`` file, after checking that it was generated
-    with the settings in ``expect`` (clear error naming each difference)."""
+def load_answers(path: str, expect: dict) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(tokens, loss mask) per conversation of a ``save_answers`` file and the turns it was generated with,
+    after checking that it was generated with the settings in ``expect`` (clear error naming each difference).
+    A file with fewer turns than ``expect`` (every turn trained) is accepted: its turns are continued."""
     from safetensors import safe_open
 
     try:
@@ -280,17 +300,22 @@ def load_answers(path: str, expect: dict) -> list[tuple[list[int], list[int]]]:
             t, m, off = f.get_tensor("tokens"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
     except Exception as e:  # missing file, corrupt header, missing tensor
         raise ValueError(f"falcon-vllm: gen-data: --answers {path} could not be read ({type(e).__name__}: {e})") from None
-    diff = [f"{k} {meta.get(k)!r} (this run: {str(expect[k])!r})" for k in ANSWER_KEYS if meta.get(k) != str(expect[k])]
+    meta = {**meta, **{k: v for k, v in ANSWER_DEFAULTS.items() if meta.get(k) in (None, "None")}}
+    fewer = (meta.get("max_turns", "").isdigit() and int(meta["max_turns"]) < int(expect["max_turns"])
+             and meta["loss_from_turn"] == "1")
+    skip = ("max_turns", "loss_from_turn") if fewer else ()
+    diff = [f"{k} {meta.get(k)!r} (this run: {str(expect[k])!r})" for k in ANSWER_KEYS
+            if k not in skip and meta.get(k) != str(expect[k])]
     if diff:
         raise ValueError(f"falcon-vllm: gen-data: --answers {path} was generated with other settings: " + ", ".join(diff))
     off = off.tolist()
-    return [(t[a:b].tolist(), m[a:b].tolist()) for a, b in zip(off[:-1], off[1:])]
+    return [(t[a:b].tolist(), m[a:b].tolist()) for a, b in zip(off[:-1], off[1:])], int(meta["max_turns"])
 
 
 def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_tokens: int = 160,
         batch_size: int = 8, shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None,
         model=None, tokenizer=None, max_turns: int = 1, max_total_tokens: int = 1024, backend: str = "hf",
-        skip_conversations: int = 0, answers: str | None = None):
+        skip_conversations: int = 0, answers: str | None = None, loss_from_turn: int = 1):
     """Write ``shard_*.safetensors`` + ``manifest.json`` into ``out_dir`` (resumable by shard).
 
     ``backend``: ``vllm`` answers every shard's prompts in one continuous-batching call; ``hf``
@@ -298,11 +323,16 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     batched HF prefill passes in both cases.  ``num_conversations`` None = every usable one.
     ``skip_conversations`` leaves the first conversations of the data out (kept for held-out use).
     ``answers``: a ``save_answers`` file; shards whose conversations it holds are featurized from it, not
-    generated (each stored sequence must begin with its conversation's prompt).
+    generated (each stored sequence must begin with its conversation's prompt); a file made with fewer turns
+    than ``max_turns`` has its conversations continued (their later turns generated).
+    ``loss_from_turn``: assistant turns before this one are context only (loss mask 0).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if loss_from_turn < 1 or loss_from_turn > max_turns:
+        raise ValueError(f"falcon-vllm: gen-data: --loss-from-turn must be in 1..--max-turns ({max_turns}), "
+                         f"got {loss_from_turn}")
     if backend not in ("hf", "vllm"):
         raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
     out = Path(out_dir)
@@ -324,26 +354,31 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "backend": backend, "skip_conversations": skip_conversations,
+                "loss_from_turn": loss_from_turn,
                 "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
     old = out / "manifest.json"
     if old.exists():  # resume: keep the measured figures of the shards already written
         manifest["shards"] = [sh for sh in json.loads(old.read_text()).get("shards", [])
                               if (out / sh["file"]).exists()]
     done = {sh["file"] for sh in manifest["shards"]}
-    stored = load_answers(answers, manifest) if answers else []
+    stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
+    if stored and stored_turns < max_turns:
+        print(f"falcon-vllm: gen-data: continuing the {stored_turns}-turn conversations of {answers} "
+              f"to {max_turns} turns")
     generate = None
     bar = tqdm(total=len(prompts), desc=f"gen-data ({backend})", unit="conv")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
         if not path.exists() or path.name not in done:
             from_answers = shard[-1] < len(stored)
-            if from_answers:  # featurize the stored answers
+            if from_answers:  # the stored answers (featurized, or continued below)
                 seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]
                 for i, q in zip(shard, seqs):
                     if q[:len(prompts[i])] != prompts[i]:
                         raise ValueError(f"falcon-vllm: gen-data: --answers {answers}: conversation {i} does not "
                                          "begin with this data's prompt (another dataset, template or order)")
-            else:
+            generated = not from_answers or stored_turns < max_turns
+            if generated:
                 if generate is None:
                     if backend == "vllm":
                         from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
@@ -356,7 +391,9 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                 seqs, masks = [], []
                 for idx in groups:
                     s, m = answer_turns(generate, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
-                                        max_new_tokens, eos, max_turns, max_total_tokens)
+                                        max_new_tokens, eos, max_turns, max_total_tokens,
+                                        [stored[i] for i in idx] if from_answers else None, stored_turns,
+                                        loss_from_turn)
                     seqs += s
                     masks += m
                 if backend == "vllm":  # the engine's threads would slow the prefill down; a new one per shard
@@ -365,7 +402,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
             t1 = time.time()
             write_shard(path, featurize_batch(mdl, seqs, masks))
             entry = {"file": path.name, "conversations": len(shard), "answer_tokens": sum(sum(m) for m in masks),
-                     "tokens": sum(len(q) for q in seqs), "generate_s": 0.0 if from_answers else round(t1 - t0, 2),
+                     "tokens": sum(len(q) for q in seqs), "generate_s": round(t1 - t0, 2) if generated else 0.0,
                      "featurize_s": round(time.time() - t1, 2)}
             if from_answers:
                 entry["from_answers"] = True
@@ -398,6 +435,9 @@ def add_arguments(p):
     p.add_argument("--max-turns", type=int, default=1,
                    help="assistant turns regenerated per conversation (later human turns from the data)")
     p.add_argument("--max-total-tokens", type=int, default=1024, help="cap on a conversation's tokens")
+    p.add_argument("--loss-from-turn", type=int, default=1,
+                   help="assistant turns before this one are context only (loss mask 0): with --max-turns 2 and "
+                        "--answers of the first turns, a data set of second turns that does not repeat the first")
     p.add_argument("--answers", default=None,
                    help="a --save-answers file: its conversations are featurized from it instead of generated")
     p.add_argument("--save-answers", default=None,
@@ -411,7 +451,8 @@ def main(args):
     target = args.target or str(model_path())
     out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
-              backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers)
+              backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,
+              loss_from_turn=args.loss_from_turn)
     print(f"wrote {out}")
     if args.save_answers:
         print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")

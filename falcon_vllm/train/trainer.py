@@ -161,6 +161,18 @@ def crop_context(sample: Sample, max_context: int) -> Sample:
     return Sample(sample.tokens[a:], mask[a:], sample.features[a:], teacher)
 
 
+def outside_of(samples, held_out) -> list:
+    """``samples`` less those that begin with a held-out conversation's prompt (its tokens before its first
+    answer token): the same question answered by the same greedy target would leak the held-out answer."""
+    keys: dict[int, set] = {}
+    for s in held_out:
+        m = s.loss_mask
+        n = int(m.nonzero()[0]) if m.any() else len(m)
+        keys.setdefault(n, set()).add(tuple(s.tokens[:n].tolist()))
+    return [s for s in samples if not any(len(s.tokens) >= n and tuple(s.tokens[:n].tolist()) in ks
+                                          for n, ks in keys.items())]
+
+
 def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
     """The ``n`` most frequent answer tokens (loss-mask positions) of ``samples`` [n] (ties: lower id first)."""
     counts = torch.zeros(vocab, dtype=torch.long)
@@ -415,6 +427,7 @@ class TrainConfig:
     ``checkpoint.pt`` and, without its paths, as the drafter's training record (``falcon.extra.training``)."""
     out_dir: str                          # drafter directory (checkpoint.pt each epoch: resumable)
     data_dir: str | None = None           # gen-data directory (comma-separated: several), unless train(samples=)
+    extra_data_dir: str | None = None     # gen-data directories trained on, never held out (e.g. later turns)
     target_dir: str | None = None         # target HF dir, unless train(target=) gets the model
     mode: str = "falcon"                  # falcon (CSGD) | eagle (EAGLE-1: k=1, fc fusion, no glancing)
     k: int = 2                            # tokens per drafter block
@@ -540,12 +553,26 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         cache = cached_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
                                cfg.teacher_topk, log)
         data = [s._replace(teacher=c) for s, c in zip(data, cache)]
+    n_val = max(1, len(data) // 16)
+    extra, left_out = [], 0
+    if cfg.extra_data_dir:  # training-only conversations, minus any that begin like a held-out one
+        extra = load_shards(cfg.extra_data_dir)
+        if cfg.teacher_topk:
+            cache = cached_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
+            extra = [s._replace(teacher=c) for s, c in zip(extra, cache)]
+        kept = outside_of(extra, data[-n_val:])
+        left_out = len(extra) - len(kept)
+        extra = [s for s in kept if s.loss_mask.any()]
+        log(f"extra training data: {len(extra)} conversations with answer tokens, "
+            f"{sum(int(s.loss_mask.sum()) for s in extra)} answer tokens; {left_out} left out as they begin "
+            "like a held-out conversation")
     if cfg.max_context is not None:
         data = [crop_context(s, cfg.max_context) for s in data]
-    n_val = max(1, len(data) // 16)
+        extra = [crop_context(s, cfg.max_context) for s in extra]
     train_set, val_set = data[:-n_val], data[-n_val:]
     if cfg.max_conversations:  # data-size ablations: fewer training conversations, the same held-out ones
         train_set = train_set[:cfg.max_conversations]
+    train_set = train_set + extra
     dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
                                     draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order)
     drafter = FalconDrafter(dcfg).to(device)
@@ -631,6 +658,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         return {"final": None, "history": state["history"], "out": cfg.out_dir, "drafter": drafter}
     final = evaluate(drafter, val_set, tree_obj, cfg.k, cfg.max_len, cfg.eval_roots)
     final.update(steps=state["step"], seconds=round(time.time() - t0, 1), train_conversations=len(train_set),
+                 extra_conversations=len(extra), extra_left_out=left_out,
                  heldout_conversations=len(val_set), processes=world, device=str(torch.device(device).type))
     # the training record (draft_vocab as the drafter has it: None when it is the whole vocabulary)
     dcfg.extra = {"training": {**cfg.record(), "draft_vocab": dcfg.draft_vocab_size, "steps": state["step"],
@@ -798,6 +826,10 @@ def add_arguments(p):
     p.add_argument("--block-phase", choices=["fixed", "random"], default="fixed",
                    help="random: each step trims 0..k-1 of a conversation's last positions, so every position "
                         "trains every block level across epochs (fixed: the same level each epoch)")
+    p.add_argument("--extra-data", default=None,
+                   help="gen-data directories (comma-separated) trained on after --data's training conversations and "
+                        "never held out, e.g. the later turns of those conversations (gen-data --loss-from-turn 2); "
+                        "any that begins with a held-out conversation's prompt is left out")
     p.add_argument("--max-conversations", type=int, default=None,
                    help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--init-from", default=None,
@@ -823,7 +855,7 @@ def main(args):
         return 0
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
-    cfg = TrainConfig(args.out, data_dir=args.data, target_dir=args.target or str(model_path()), mode=args.mode,
+    cfg = TrainConfig(args.out, data_dir=args.data, extra_data_dir=args.extra_data, target_dir=args.target or str(model_path()), mode=args.mode,
                       k=args.k, fusion=args.fusion, layers=args.layers, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, max_len=args.max_len, glance=args.glance, glance_loss=args.glance_loss,
                       lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
