@@ -31,28 +31,35 @@ DATASETS = ("mt-bench", "humaneval", "gsm8k")
 
 
 def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: str) -> list:
-    """The target's greedy answers to the first turn of ``n`` prompts of ``dataset`` (gen-data samples)."""
+    """The target's greedy answers to the first turn of ``n`` prompts of ``dataset`` (gen-data samples);
+    ``mt-bench-turn2``: to MT-Bench's second turn after its own first answer (only the second is scored,
+    with at most 256 tokens of context before it, as the trainer keeps 128)."""
     from falcon_vllm.models import load_chat_prompts
     from falcon_vllm.train import gen_data
+    from falcon_vllm.train.trainer import crop_context
 
+    turns = 2 if dataset == "mt-bench-turn2" else 1
     out = os.path.join(work, f"{dataset}_n{n}_t{max_new_tokens}")
     if not os.path.exists(os.path.join(out, "manifest.json")):
         os.makedirs(out, exist_ok=True)
         src = os.path.join(out, "prompts.json")  # ShareGPT layout: the target writes the answers
         with open(src, "w") as f:
-            json.dump([{"id": str(p["id"]), "conversations": [{"from": "human", "value": p["turns"][0]},
-                                                              {"from": "gpt", "value": "-"}]}
-                       for p in load_chat_prompts(dataset, n)], f)
+            json.dump([{"id": str(p["id"]), "conversations": [m for q in p["turns"][:turns] for m in
+                                                              ({"from": "human", "value": q}, {"from": "gpt", "value": "-"})]}
+                       for p in load_chat_prompts("mt-bench" if turns == 2 else dataset, n)], f)
         import importlib.util
         backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-        gen_data.run(target_dir, out, None, max_new_tokens, data=src, backend=backend)
-    return gen_data.load_shards(out)
+        gen_data.run(target_dir, out, None, max_new_tokens, data=src, backend=backend, max_turns=turns,
+                     loss_from_turn=turns)
+    samples = gen_data.load_shards(out)
+    return [crop_context(s, 256) for s in samples if s.loss_mask.any()] if turns == 2 else samples
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", action="append", required=True, help="label=<drafter dir> (Falcon or vLLM EAGLE)")
-    p.add_argument("--datasets", default=",".join(DATASETS))
+    p.add_argument("--datasets", default=",".join(DATASETS),
+                   help="comma-separated: " + ", ".join(DATASETS) + ", mt-bench-turn2 (the second turns)")
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--tree", default="chain-2", help="tree for sim tau ('own': each drafter's default tree)")
