@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from falcon_vllm.config import FalconConfig  # noqa: E402
 from falcon_vllm.drafter import FalconDrafter, chunk_mask  # noqa: E402
 from falcon_vllm.train.gen_data import load_shards  # noqa: E402
-from falcon_vllm.train.trainer import frequent_tokens, vocab_coverage  # noqa: E402
+from falcon_vllm.train.trainer import frequent_tokens, split_held_out, vocab_coverage  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -59,8 +59,7 @@ def main(argv=None):
     target = AutoModelForCausalLM.from_pretrained(args.target or str(model_path()), dtype=torch.float32).eval()
     V = target.config.vocab_size
     data = load_shards(args.data)
-    n_val = max(1, len(data) // 16)
-    train, held = data[:-n_val], data[-n_val:]
+    train, held, _ = split_held_out(data)
     sizes = [int(s) for s in args.sizes.split(",")]
 
     # target decode step: one token after a context-long cache

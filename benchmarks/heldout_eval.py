@@ -11,7 +11,7 @@ train`` scores its held-out conversations: top-1 = the drafter's argmax equals t
 token, per position in the k-block; sim tau = mean tokens per step (bonus included) on ``--tree``
 (or each drafter's own tree), roots every 3rd answer position.  These prompts are never trained on
 (gen-data's training data is ShareGPT); ``--sharegpt DIR`` adds the held-out split (the last 1/16)
-of a gen-data directory.  No vLLM engine runs the drafters here, so the figures isolate the drafter
+of a gen-data directory, less the conversations whose prompt a training one repeats (``split_held_out``).  No vLLM engine runs the drafters here, so the figures isolate the drafter
 from serving: compare with ``ab_step.py``'s steps per generation for what serving loses.
 Writes ``benchmarks/results/<name>.{json,md}``.
 """
@@ -81,15 +81,16 @@ def main(argv=None) -> int:
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.train.trainer import evaluate, split_held_out
     from falcon_vllm.tree import build_tree
 
     t0 = time.time()
     target_dir = a.model or str(model_path())
     sets = {d: eval_set(d, a.num_prompts, a.max_new_tokens, a.work, target_dir) for d in a.datasets.split(",") if d}
-    if a.sharegpt:
-        data = load_shards(a.sharegpt)
-        sets["sharegpt-heldout"] = data[-max(1, len(data) // 16):]
+    if a.sharegpt:  # the trainer's held-out conversations (less those whose prompt it trained on)
+        _, sets["sharegpt-heldout"], left_out = split_held_out(load_shards(a.sharegpt))
+        print(f"sharegpt-heldout: {len(sets['sharegpt-heldout'])} conversations ({left_out} left out: a training "
+              "conversation has their prompt)", flush=True)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     rows = []
     widths = [int(w) for w in a.best_trees.split(",") if w]

@@ -97,11 +97,10 @@ def rescore(runs: dict, items: list[str], heldout: str, eval_roots: int, target_
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.train.trainer import evaluate, split_held_out
     from falcon_vllm.tree import build_tree
 
-    data = load_shards(heldout)
-    val = data[-max(1, len(data) // 16):]
+    _, val, _ = split_held_out(load_shards(heldout))
     target = AutoModelForCausalLM.from_pretrained(target_dir or str(model_path()), dtype=torch.float32).eval()
     out = {}
     for item in items:

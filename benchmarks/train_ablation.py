@@ -99,14 +99,13 @@ def rescore(args, name) -> None:
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import crop_context
+    from falcon_vllm.train.trainer import crop_context, split_held_out
 
     out = os.path.join(args.work, name)
     target = AutoModelForCausalLM.from_pretrained(str(model_path()), dtype=torch.float32).eval()
     d = FalconDrafter.from_pretrained(out, target.config).attach_target(target.get_input_embeddings(),
                                                                         target.get_output_embeddings())
-    data = [crop_context(s, 128) for s in load_shards(args.data)]
-    val = data[-max(1, len(data) // 16):]
+    val = [crop_context(s, 128) for s in split_held_out(load_shards(args.data))[1]]
     with open(os.path.join(out, "eval_trees.json"), "w") as f:
         json.dump(sim_tau_trees(d, val, TREES[d.config.k]), f)
 

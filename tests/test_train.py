@@ -355,6 +355,19 @@ def test_gen_data_continues_stored_first_turns(tmp_path, target, monkeypatch):
         gen_data.run("tiny", str(tmp_path / "y"), 4, 8, max_turns=2, loss_from_turn=3, **kw)
 
 
+def test_held_out_split_leaves_out_prompts_trained_on(data):
+    """A held-out conversation whose prompt a training conversation repeats is not held out (its greedy answer
+    was trained on); the training conversations stay as they are."""
+    from falcon_vllm.train.trainer import split_held_out
+
+    repeated = [data[-1]] + data[1:]  # 40 conversations, the last 2 held out; the last one's prompt also first
+    train_set, val_set, left_out = split_held_out(repeated)
+    assert (len(train_set), val_set, left_out) == (38, [data[-2]], 1)
+    assert split_held_out(data)[1:] == (data[-2:], 0)
+    with pytest.raises(ValueError, match="every held-out conversation repeats"):
+        split_held_out([data[0], data[0]])
+
+
 def test_extra_data_trains_only_outside_the_held_out_set(tmp_path, target, data):
     """--extra-data conversations join the training set, never the held-out one; one that begins like a
     held-out conversation, and one without an answer token, are left out."""
@@ -372,7 +385,7 @@ def test_extra_data_trains_only_outside_the_held_out_set(tmp_path, target, data)
                             extra_data_dir=str(tmp_path / "x")), samples=data, target=target, log=lambda *a: None)
     f = res["final"]
     assert (f["train_conversations"], f["extra_conversations"], f["extra_left_out"]) == (40, 2, 1)
-    assert f["heldout_conversations"] == 2
+    assert (f["heldout_conversations"], f["heldout_left_out"]) == (2, 0)
 
 
 DDP_CONVERSATIONS = 18  # 17 for training (the last 1/16, at least 1, is held out)

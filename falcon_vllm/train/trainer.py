@@ -161,16 +161,32 @@ def crop_context(sample: Sample, max_context: int) -> Sample:
     return Sample(sample.tokens[a:], mask[a:], sample.features[a:], teacher)
 
 
-def outside_of(samples, held_out) -> list:
-    """``samples`` less those that begin with a held-out conversation's prompt (its tokens before its first
-    answer token): the same question answered by the same greedy target would leak the held-out answer."""
+def outside_of(samples, others) -> list:
+    """``samples`` less those that begin with the prompt (tokens before the first answer token) of one of
+    ``others``: the same question answered by the same greedy target is the same answer."""
     keys: dict[int, set] = {}
-    for s in held_out:
+    for s in others:
         m = s.loss_mask
         n = int(m.nonzero()[0]) if m.any() else len(m)
         keys.setdefault(n, set()).add(tuple(s.tokens[:n].tolist()))
-    return [s for s in samples if not any(len(s.tokens) >= n and tuple(s.tokens[:n].tolist()) in ks
-                                          for n, ks in keys.items())]
+    out = []
+    for s in samples:
+        t = s.tokens.tolist()
+        if not any(len(t) >= n and tuple(t[:n]) in ks for n, ks in keys.items()):
+            out.append(s)
+    return out
+
+
+def split_held_out(data: list) -> tuple[list, list, int]:
+    """(training, held-out, left out): the last 1/16 of the conversations (at least one) are held out, less
+    those whose prompt a training conversation also has (ShareGPT repeats questions: 67 of the last 579 of
+    its 9,276 usable first turns, whose greedy answers the drafter would have trained on)."""
+    n_val = max(1, len(data) // 16)
+    train, tail = data[:-n_val], data[-n_val:]
+    val = outside_of(tail, train)
+    if tail and not val:
+        raise ValueError("falcon-vllm: train: every held-out conversation repeats a training conversation's prompt")
+    return train, val, len(tail) - len(val)
 
 
 def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
@@ -553,23 +569,24 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         cache = cached_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
                                cfg.teacher_topk, log)
         data = [s._replace(teacher=c) for s, c in zip(data, cache)]
-    n_val = max(1, len(data) // 16)
+    train_set, val_set, val_left_out = split_held_out(data)  # before cropping: whole prompts compared
+    log(f"held out: {len(val_set)} conversations ({val_left_out} more left out: a training conversation has "
+        "their prompt)")
     extra, left_out = [], 0
     if cfg.extra_data_dir:  # training-only conversations, minus any that begin like a held-out one
         extra = load_shards(cfg.extra_data_dir)
         if cfg.teacher_topk:
             cache = cached_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
             extra = [s._replace(teacher=c) for s, c in zip(extra, cache)]
-        kept = outside_of(extra, data[-n_val:])
+        kept = outside_of(extra, val_set)
         left_out = len(extra) - len(kept)
         extra = [s for s in kept if s.loss_mask.any()]
         log(f"extra training data: {len(extra)} conversations with answer tokens, "
             f"{sum(int(s.loss_mask.sum()) for s in extra)} answer tokens; {left_out} left out as they begin "
             "like a held-out conversation")
     if cfg.max_context is not None:
-        data = [crop_context(s, cfg.max_context) for s in data]
-        extra = [crop_context(s, cfg.max_context) for s in extra]
-    train_set, val_set = data[:-n_val], data[-n_val:]
+        train_set, val_set, extra = ([crop_context(s, cfg.max_context) for s in part]
+                                     for part in (train_set, val_set, extra))
     if cfg.max_conversations:  # data-size ablations: fewer training conversations, the same held-out ones
         train_set = train_set[:cfg.max_conversations]
     train_set = train_set + extra
@@ -659,7 +676,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     final = evaluate(drafter, val_set, tree_obj, cfg.k, cfg.max_len, cfg.eval_roots)
     final.update(steps=state["step"], seconds=round(time.time() - t0, 1), train_conversations=len(train_set),
                  extra_conversations=len(extra), extra_left_out=left_out,
-                 heldout_conversations=len(val_set), processes=world, device=str(torch.device(device).type))
+                 heldout_conversations=len(val_set), heldout_left_out=val_left_out, processes=world, device=str(torch.device(device).type))
     # the training record (draft_vocab as the drafter has it: None when it is the whole vocabulary)
     dcfg.extra = {"training": {**cfg.record(), "draft_vocab": dcfg.draft_vocab_size, "steps": state["step"],
                                "heldout": final}}
