@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     names = list(sets)
     lines = [f"# Drafters on held-out prompts: {a.name}", "", f"Command: `{res['command']}`", "",
-             f"The target's greedy answers (first turn, at most {a.max_new_tokens} tokens) to the first "
+             f"The target's greedy answers (first turn; mt-bench-turn2: the second, after its own first; at most "
+             f"{a.max_new_tokens} tokens) to the first "
              f"{a.num_prompts} prompts of each dataset; the drafters read the target's true features. top-1: the "
              "drafter's argmax equals the target's token, per block position; sim tau: mean tokens per step on the "
              "tree (bonus included). Cells: top-1 by block position / sim tau"
