@@ -11,8 +11,9 @@ train`` scores its held-out conversations: top-1 = the drafter's argmax equals t
 token, per position in the k-block; sim tau = mean tokens per step (bonus included) on ``--tree``
 (or each drafter's own tree), roots every 3rd answer position.  These prompts are never trained on
 (gen-data's training data is ShareGPT); ``--sharegpt DIR`` adds the held-out split (the last 1/16)
-of a gen-data directory, less the conversations whose prompt a training one repeats (``split_held_out``).  No vLLM engine runs the drafters here, so the figures isolate the drafter
-from serving: compare with ``ab_step.py``'s steps per generation for what serving loses.
+of a gen-data directory, less the conversations whose prompt a training one repeats (``split_held_out``).
+No vLLM engine runs the drafters here, so the figures isolate the drafter from serving: compare with
+``ab_step.py``'s steps per generation for what serving loses.
 Writes ``benchmarks/results/<name>.{json,md}``.
 """
 
@@ -44,8 +45,9 @@ def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: s
         os.makedirs(out, exist_ok=True)
         src = os.path.join(out, "prompts.json")  # ShareGPT layout: the target writes the answers
         with open(src, "w") as f:
-            json.dump([{"id": str(p["id"]), "conversations": [m for q in p["turns"][:turns] for m in
-                                                              ({"from": "human", "value": q}, {"from": "gpt", "value": "-"})]}
+            json.dump([{"id": str(p["id"]),
+                        "conversations": [m for q in p["turns"][:turns]
+                                          for m in ({"from": "human", "value": q}, {"from": "gpt", "value": "-"})]}
                        for p in load_chat_prompts("mt-bench" if turns == 2 else dataset, n)], f)
         import importlib.util
         backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"

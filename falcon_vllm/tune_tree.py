@@ -265,12 +265,11 @@ def main(args):
     profiles = []
     if args.data:  # held-out conversations of a gen-data set (the trainer's split): stored tokens and features
         from falcon_vllm.train.gen_data import load_shards
+        from falcon_vllm.train.trainer import split_held_out
 
-        data = load_shards(args.data)
-        held = data[-max(1, len(data) // 16):][:args.num_prompts]
+        held = split_held_out(load_shards(args.data))[1][:args.num_prompts]
         for s in tqdm(held, desc="rank profile (held-out)"):
-            start = int(s.loss_mask.nonzero()[0]) if s.loss_mask.any() else len(s.tokens)
-            roots = list(range(max(start, drafter.k), len(s.tokens) - args.max_depth - 1, 2))
+            roots = list(range(max(s.answer_start(), drafter.k), len(s.tokens) - args.max_depth - 1, 2))
             profiles += rank_profile(drafter, s.tokens, s.features.float(), args.max_depth, args.topk, roots)
     for q in tqdm(load_chat_prompts(args.dataset, args.num_prompts) if not args.data else [], desc="rank profile"):
         ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)

@@ -34,6 +34,11 @@ class Sample(NamedTuple):
     features: torch.Tensor          # [T, H] bf16: the target's final-norm hidden states
     teacher: dict | None = None     # the frozen teacher of the answer-predicting rows (trainer.teacher_cache)
 
+    def answer_start(self) -> int:
+        """Index of the first answer token (the length when there is none): the prompt is what comes before."""
+        m = self.loss_mask
+        return int(m.nonzero()[0]) if m.any() else len(m)
+
 
 def iter_sharegpt(path: str | None = None, min_turns: int = 2):
     """Yield complete conversations (lists of {"from", "value"}) from a possibly truncated JSON array."""

@@ -129,6 +129,11 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     return out
 
 
+def with_teacher(data_dir, data, lm_head, topk: int, log=print) -> list:
+    """``data`` with each sample's cached teacher attached (``cached_teacher``)."""
+    return [s._replace(teacher=c) for s, c in zip(data, cached_teacher(data_dir, data, lm_head, topk, log))]
+
+
 def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
     """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused."""
     cpath = None
@@ -152,13 +157,11 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
 def crop_context(sample: Sample, max_context: int) -> Sample:
     """Keep at most ``max_context`` tokens before the first answer token (rotary attention is relative,
     so a cropped prompt is a shorter prompt; it saves the drafter passes over long ShareGPT prompts)."""
-    mask = sample.loss_mask
-    start = int(mask.nonzero()[0]) if mask.any() else len(mask)
-    a = max(0, start - max_context)
+    a = max(0, sample.answer_start() - max_context)
     if a == 0:
         return sample
     teacher = None if sample.teacher is None else {n: v[a:] for n, v in sample.teacher.items()}
-    return Sample(sample.tokens[a:], mask[a:], sample.features[a:], teacher)
+    return Sample(sample.tokens[a:], sample.loss_mask[a:], sample.features[a:], teacher)
 
 
 def outside_of(samples, others) -> list:
@@ -166,8 +169,7 @@ def outside_of(samples, others) -> list:
     ``others``: the same question answered by the same greedy target is the same answer."""
     keys: dict[int, set] = {}
     for s in others:
-        m = s.loss_mask
-        n = int(m.nonzero()[0]) if m.any() else len(m)
+        n = s.answer_start()
         keys.setdefault(n, set()).add(tuple(s.tokens[:n].tolist()))
     out = []
     for s in samples:
@@ -420,9 +422,7 @@ def root_profiles(drafter, samples, k: int, depth: int, topk: int, max_roots: in
 
     cands = []
     for s in samples:
-        mask = s.loss_mask
-        start = int(mask.nonzero()[0]) if mask.any() else len(s.tokens)
-        cands.append(list(range(max(start, k), len(s.tokens) - depth - 1, 3)))
+        cands.append(list(range(max(s.answer_start(), k), len(s.tokens) - depth - 1, 3)))
     n = sum(1 for c in cands if c)
     per = -(-max_roots // max(1, n))
     profiles = []
@@ -566,9 +566,8 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         cfg = replace(cfg, tree={2: "falcon-llama", 1: "eagle-small"}.get(cfg.k, f"chain-{2 * cfg.k}"))
     data = load_shards(cfg.data_dir) if samples is None else samples
     if cfg.teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
-        cache = cached_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
-                               cfg.teacher_topk, log)
-        data = [s._replace(teacher=c) for s, c in zip(data, cache)]
+        data = with_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
+                            cfg.teacher_topk, log)
     train_set, val_set, val_left_out = split_held_out(data)  # before cropping: whole prompts compared
     log(f"held out: {len(val_set)} conversations ({val_left_out} more left out: a training conversation has "
         "their prompt)")
@@ -576,8 +575,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     if cfg.extra_data_dir:  # training-only conversations, minus any that begin like a held-out one
         extra = load_shards(cfg.extra_data_dir)
         if cfg.teacher_topk:
-            cache = cached_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
-            extra = [s._replace(teacher=c) for s, c in zip(extra, cache)]
+            extra = with_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
         kept = outside_of(extra, val_set)
         left_out = len(extra) - len(kept)
         extra = [s for s in kept if s.loss_mask.any()]
@@ -676,7 +674,8 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     final = evaluate(drafter, val_set, tree_obj, cfg.k, cfg.max_len, cfg.eval_roots)
     final.update(steps=state["step"], seconds=round(time.time() - t0, 1), train_conversations=len(train_set),
                  extra_conversations=len(extra), extra_left_out=left_out,
-                 heldout_conversations=len(val_set), heldout_left_out=val_left_out, processes=world, device=str(torch.device(device).type))
+                 heldout_conversations=len(val_set), heldout_left_out=val_left_out, processes=world,
+                 device=str(torch.device(device).type))
     # the training record (draft_vocab as the drafter has it: None when it is the whole vocabulary)
     dcfg.extra = {"training": {**cfg.record(), "draft_vocab": dcfg.draft_vocab_size, "steps": state["step"],
                                "heldout": final}}
@@ -872,7 +871,8 @@ def main(args):
         return 0
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
-    cfg = TrainConfig(args.out, data_dir=args.data, extra_data_dir=args.extra_data, target_dir=args.target or str(model_path()), mode=args.mode,
+    cfg = TrainConfig(args.out, data_dir=args.data, extra_data_dir=args.extra_data,
+                      target_dir=args.target or str(model_path()), mode=args.mode,
                       k=args.k, fusion=args.fusion, layers=args.layers, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, max_len=args.max_len, glance=args.glance, glance_loss=args.glance_loss,
                       lambda_schedule=args.lambda_schedule, noise=args.noise, tree=args.tree, max_steps=args.max_steps,
