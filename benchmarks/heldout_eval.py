@@ -31,10 +31,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DATASETS = ("mt-bench", "humaneval", "gsm8k")
 
 
-def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: str) -> list:
+def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: str, target=None,
+             aux_layers: tuple[int, ...] = ()) -> list:
     """The target's greedy answers to the first turn of ``n`` prompts of ``dataset`` (gen-data samples);
     ``mt-bench-turn2``: to MT-Bench's second turn after its own first answer (only the second is scored,
-    with at most 256 tokens of context before it, as the trainer keeps 128)."""
+    with at most 256 tokens of context before it, as the trainer keeps 128).  With ``aux_layers``, the
+    features also carry the states entering those layers of ``target`` (for drafters that read them)."""
     from falcon_vllm.models import load_chat_prompts
     from falcon_vllm.train import gen_data
     from falcon_vllm.train.trainer import crop_context
@@ -53,7 +55,9 @@ def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: s
         backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
         gen_data.run(target_dir, out, None, max_new_tokens, data=src, backend=backend, max_turns=turns,
                      loss_from_turn=turns)
-    samples = gen_data.load_shards(out)
+    samples = gen_data.load_shards(out, aux=False)
+    if aux_layers:
+        samples = gen_data.with_aux_states(target, samples, aux_layers)
     return [crop_context(s, 256) for s in samples if s.loss_mask.any()] if turns == 2 else samples
 
 
@@ -82,18 +86,31 @@ def main(argv=None) -> int:
 
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
-    from falcon_vllm.train.gen_data import load_shards
+    from falcon_vllm.train.gen_data import load_shards, with_aux_states
     from falcon_vllm.train.trainer import evaluate, split_held_out
     from falcon_vllm.tree import build_tree
 
     t0 = time.time()
     target_dir = a.model or str(model_path())
-    sets = {d: eval_set(d, a.num_prompts, a.max_new_tokens, a.work, target_dir) for d in a.datasets.split(",") if d}
-    if a.sharegpt:  # the trainer's held-out conversations (less those whose prompt it trained on)
-        _, sets["sharegpt-heldout"], left_out = split_held_out(load_shards(a.sharegpt))
-        print(f"sharegpt-heldout: {len(sets['sharegpt-heldout'])} conversations ({left_out} left out: a training "
-              "conversation has their prompt)", flush=True)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    by_aux: dict = {}
+
+    def sets_for(aux: tuple) -> dict:
+        """The evaluation sets with the features a drafter reads (final-norm states, + those of ``aux``)."""
+        if aux not in by_aux:
+            with torch.inference_mode():
+                sets = {d: eval_set(d, a.num_prompts, a.max_new_tokens, a.work, target_dir, target, aux)
+                        for d in a.datasets.split(",") if d}
+                if a.sharegpt:  # the trainer's held-out conversations (less those whose prompt it trained on)
+                    stored = all(json.load(open(os.path.join(d, "manifest.json"))).get("aux_layers", []) == list(aux)
+                                 for d in a.sharegpt.split(",") if d)
+                    _, held, left_out = split_held_out(load_shards(a.sharegpt, aux=stored and bool(aux)))
+                    sets["sharegpt-heldout"] = held if stored or not aux else with_aux_states(target, held, aux)
+                    print(f"sharegpt-heldout: {len(held)} conversations ({left_out} left out: a training "
+                          "conversation has their prompt)", flush=True)
+            by_aux[aux] = sets
+        return by_aux[aux]
+
     rows = []
     widths = [int(w) for w in a.best_trees.split(",") if w]
     for item in a.drafter:
@@ -103,11 +120,12 @@ def main(argv=None) -> int:
         d = FalconDrafter.load(path, target.config)  # ours, or vLLM's EAGLE layout (the k=1 fc drafter it is)
         d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
         tree = d.config.tree if a.tree == "own" else a.tree
+        sets = sets_for(d.config.aux_layers)
         for name, samples in sets.items():
             with torch.no_grad():
                 r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots, widths)
             row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
-                   "block_order": d.config.block_order, "dataset": name, "conversations": len(samples),
+                   "block_order": d.config.block_order, "aux_layers": list(d.config.aux_layers), "dataset": name, "conversations": len(samples),
                    "tree": tree, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -45,6 +45,9 @@ class FalconConfig:
     model_type: str = "llama"
     tree: str | None = None           # default decoding tree (preset name or list string)
     draft_vocab_size: int | None = None  # truncated draft head: its N target tokens (None = the target's head)
+    # target layers whose input states (EAGLE-3's low/mid/high features) the drafter also reads at target
+    # positions (gen-data --aux-layers); () = the final-norm states alone
+    aux_layers: tuple[int, ...] = ()
     target: dict[str, Any] = field(default_factory=dict)  # what the drafter was trained for
     extra: dict[str, Any] = field(default_factory=dict)   # training provenance etc.
 
@@ -61,6 +64,9 @@ class FalconConfig:
             raise ValueError(f"falcon-vllm: num_layers must be >= 1, got {self.num_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("falcon-vllm: num_attention_heads must be a multiple of num_key_value_heads")
+        self.aux_layers = tuple(int(i) for i in self.aux_layers)
+        if any(i < 1 for i in self.aux_layers) or len(set(self.aux_layers)) != len(self.aux_layers):
+            raise ValueError(f"falcon-vllm: aux_layers must be distinct target layers >= 1, got {list(self.aux_layers)}")
         if self.draft_vocab_size == self.vocab_size:
             self.draft_vocab_size = None
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
@@ -152,6 +158,7 @@ class FalconConfig:
                 "fusion": self.fusion,
                 "fc_bias": self.fc_bias,
                 **({"block_order": self.block_order} if self.block_order != "forward" else {}),
+                **({"aux_layers": list(self.aux_layers)} if self.aux_layers else {}),
                 "tree": self.tree,
                 "target": self.target,
                 **({"extra": self.extra} if self.extra else {}),
@@ -180,6 +187,7 @@ class FalconConfig:
                 fusion=f.get("fusion", "lstm"),
                 fc_bias=bool(f.get("fc_bias", False)),
                 block_order=f.get("block_order", "forward"),
+                aux_layers=tuple(f.get("aux_layers", ())),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
                 attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", False))),

@@ -25,6 +25,12 @@ position, whose own input is k-1 steps old: it must fetch the newest input throu
 level 2, and so on.  :meth:`FalconDrafter.forward` returns its outputs in level order either way
 (reversed inside each end-aligned block), so training labels and every caller are unchanged.
 
+Intermediate target layers (``config.aux_layers``, EAGLE-3's idea): at positions whose features come
+from the target, the drafter may also read the residual stream entering a few target layers.  Each is
+RMS-normed (the early layers carry massive activations), projected to H by one zero-initialised Linear,
+and added to f_j before the fusion.  Such ``features`` are ``[f_j ; aux]`` (H + n*H wide); features the
+drafter predicted itself (tree passes, glanced positions) are H wide and carry no aux term.
+
 Attention here takes an explicit boolean mask over ``[past ; new]`` keys, so the same module
 serves training (one chunk), the chunk pass and the tree passes of the reference engine.
 """
@@ -189,6 +195,10 @@ class FalconDrafter(nn.Module):
             self.lstm = PositionwiseLSTM(H)
         else:
             self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+        if cfg.aux_layers:
+            self.aux_norm = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.aux_layers)
+            self.aux_proj = nn.Linear(len(cfg.aux_layers) * H, H, bias=False)
+            nn.init.zeros_(self.aux_proj.weight)  # starts as the drafter without them
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self._target: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         if cfg.draft_vocab_size:  # own head over N target tokens; d2t: target id = draft id + d2t[draft id]
@@ -263,6 +273,14 @@ class FalconDrafter(nn.Module):
 
     # -- forward ---------------------------------------------------------
     def fuse(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        H = self.config.hidden_size
+        if features.shape[-1] != H:  # [f ; aux]: the target's final-norm states and its intermediate ones
+            n = len(self.config.aux_layers)
+            if features.shape[-1] != H * (1 + n):
+                raise ValueError(f"falcon-vllm: features of width {features.shape[-1]}: this drafter reads {H} "
+                                 f"(or {H * (1 + n)} with its aux layers {list(self.config.aux_layers)})")
+            aux = features[..., H:].to(token_embeds.dtype).split(H, dim=-1)
+            features = features[..., :H] + self.aux_proj(torch.cat([m(a) for m, a in zip(self.aux_norm, aux)], -1))
         x = torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1)  # [B, T, 2H], embedding first
         return self.lstm(x) if self.config.fusion == "lstm" else self.fc(x)
 

@@ -86,6 +86,9 @@ class FalconReferenceEngine:
         self.target = target.eval()
         self.drafter = drafter.eval()
         self.drafter.config.check_target(target.config)
+        if drafter.config.aux_layers:
+            raise ValueError("falcon-vllm: the reference engine feeds the drafter the target's final hidden states "
+                             f"only; this drafter also reads target layers {list(drafter.config.aux_layers)}")
         self.drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
         k = drafter.config.k
         spec = tree if tree is not None else (drafter.config.tree or f"chain-{2 * k}")

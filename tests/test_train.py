@@ -471,3 +471,48 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     assert [(os.path.relpath(s, w), d) for s, d in installed] == [
         ("falcon-stage5", "smollm2-135m-instruct"), ("eagle-stage5/vllm-eagle", "smollm2-135m-instruct-eagle"),
         ("eagle-stage5", "smollm2-135m-instruct-eagle-ref")]
+
+
+def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
+    """gen-data --aux-layers stores the states entering those target layers; a drafter with aux layers starts
+    as the one without (zero projection), also reads H-wide (predicted) features, refuses other widths and
+    keeps its aux layers through save/load; training on such data moves the projection, and refuses data
+    without the states it asks for."""
+    from falcon_vllm.config import FalconConfig
+    from falcon_vllm.train.gen_data import featurize_batch
+
+    seqs = [s.tokens.tolist() for s in data]
+    masks = [s.loss_mask.int().tolist() for s in data]
+    wide = featurize_batch(target, seqs, masks, aux_layers=(1,))
+    with torch.inference_mode():
+        states = target.base_model(input_ids=data[0].tokens[None], output_hidden_states=True).hidden_states
+    assert wide[0].aux_width == 64 and wide[0].features.shape == (len(seqs[0]), 128)
+    torch.testing.assert_close(wide[0].hidden.float(), data[0].features.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(wide[0].features[:, 64:].float(), states[1][0], atol=2e-2, rtol=2e-2)
+    write_shard(tmp_path / "shard_00000.safetensors", wide[:3])
+    (tmp_path / "manifest.json").write_text(json.dumps({"aux_layers": [1],
+                                                        "shards": [{"file": "shard_00000.safetensors"}]}))
+    back, plain = load_shards(str(tmp_path)), load_shards(str(tmp_path), aux=False)
+    assert all(torch.equal(a.features, b.features) and a.aux_width == 64 for a, b in zip(back, wide))
+    assert all(torch.equal(a.features, b.hidden) and a.aux_width == 0 for a, b in zip(plain, wide))
+
+    torch.manual_seed(0)
+    d = FalconDrafter(FalconConfig.from_target(target.config, k=2, fusion="fc", num_layers=1, aux_layers=(1,)))
+    d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    T = 10
+    f = wide[0].features[None, :T].float()
+    args = (d.embed(wide[0].tokens[1:T + 1][None]), torch.arange(T)[None], torch.ones(T, T, dtype=torch.bool))
+    out_wide = d(args[0], f, *args[1:])[0]
+    torch.testing.assert_close(out_wide, d(args[0], f[..., :64], *args[1:])[0])  # zero projection: no effect yet
+    with pytest.raises(ValueError, match="width 100"):
+        d(args[0], f[..., :100], *args[1:])
+
+    res = train(TrainConfig(str(tmp_path / "aux"), k=2, fusion="fc", epochs=2, batch_size=8, lr=3e-3,
+                            eval_every_epoch=False, eval_roots=12, aux_layers=(1,)),
+                samples=wide, target=target, log=lambda *a: None)
+    assert res["final"]["sim_roots"] > 0
+    back = FalconDrafter.from_pretrained(str(tmp_path / "aux"), target.config)
+    assert back.config.aux_layers == (1,) and back.aux_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="do not carry the 1 aux states"):
+        train(TrainConfig(str(tmp_path / "bad"), k=2, fusion="fc", epochs=1, aux_layers=(1,)),
+              samples=data, target=target, log=lambda *a: None)

@@ -22,6 +22,9 @@ def dirs(tmp_path_factory):
     random_drafter(other, k=2).save_pretrained(str(base / "other_hidden"))
     small_vocab = tiny_llama(vocab=1000, hidden=64, heads=2, kv_heads=1)
     random_drafter(small_vocab, k=2).save_pretrained(str(base / "other_vocab"))
+    from falcon_vllm.config import FalconConfig
+    from falcon_vllm.drafter import FalconDrafter
+    FalconDrafter(FalconConfig.from_target(t.config, k=2, aux_layers=(1,))).save_pretrained(str(base / "aux"))
     (base / "plain").mkdir()
     shutil.copy(base / "target" / "config.json", base / "plain" / "config.json")
     (base / "noweights").mkdir()
@@ -78,6 +81,7 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{other_hidden}"}, "another target: hidden size 128 != target's 64"),
     ({"method": "falcon", "model": "{other_vocab}"}, "vocabulary 1000 != target's 49152"),
     ({"method": "falcon", "model": "{plain}"}, "not a Falcon drafter config"),
+    ({"method": "falcon", "model": "{aux}"}, r"states entering target layers \[1\].*cannot serve this drafter"),
     ({"method": "falcon", "model": "{noweights}"}, "has no weights"),
     ({"method": "falcon", "model": "{corrupt}"}, "corrupt or truncated"),
     ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),

@@ -12,7 +12,9 @@ and given back with ``--answers FILE``: a later run then only featurizes the con
 prefill pass, about half of gen-data's time) and generates the rest, so a dataset grows run after run.
 
 Shard layout (``shard_00000.safetensors``): ``tokens`` [T] int32, ``loss_mask`` [T] uint8,
-``hidden`` [T, H] bf16, ``offsets`` [n+1] int64 (conversation i is ``offsets[i]:offsets[i+1]``).
+``hidden`` [T, H] bf16, ``offsets`` [n+1] int64 (conversation i is ``offsets[i]:offsets[i+1]``), and with
+``--aux-layers`` ``aux`` [T, n*H] bf16: the residual stream entering each of those target layers (EAGLE-3's
+low/mid/high features; vLLM's ``aux_hidden_state_layers`` convention), in that order.
 """
 
 from __future__ import annotations
@@ -31,8 +33,17 @@ class Sample(NamedTuple):
     """One conversation: what gen-data stores, plus the trainer's cached teacher."""
     tokens: torch.Tensor            # [T] int64 (int32 as stored)
     loss_mask: torch.Tensor         # [T] bool (uint8 as stored): answer tokens
-    features: torch.Tensor          # [T, H] bf16: the target's final-norm hidden states
+    features: torch.Tensor          # [T, H (+ aux_width)] bf16: the target's final-norm hidden states (+ aux)
     teacher: dict | None = None     # the frozen teacher of the answer-predicting rows (trainer.teacher_cache)
+    aux_width: int = 0              # trailing columns of ``features`` that are intermediate-layer states
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[T, H] the final-norm hidden states alone (what the LM head reads and the drafter predicts)."""
+        return self.features[:, :self.features.shape[1] - self.aux_width]
+
+    def without_aux(self) -> "Sample":
+        return self._replace(features=self.hidden, aux_width=0) if self.aux_width else self
 
     def answer_start(self) -> int:
         """Index of the first answer token (the length when there is none): the prompt is what comes before."""
@@ -138,19 +149,22 @@ def write_shard(path: Path, samples) -> None:
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + len(s.tokens))
-    save_file({"tokens": torch.cat([s.tokens for s in samples]), "loss_mask": torch.cat([s.loss_mask for s in samples]),
-               "hidden": torch.cat([s.features for s in samples]), "offsets": torch.tensor(offsets)},
-              str(path.with_suffix(".tmp")))
+    d = {"tokens": torch.cat([s.tokens for s in samples]), "loss_mask": torch.cat([s.loss_mask for s in samples]),
+         "hidden": torch.cat([s.hidden for s in samples]), "offsets": torch.tensor(offsets)}
+    if samples[0].aux_width:
+        d["aux"] = torch.cat([s.features[:, -s.aux_width:] for s in samples])
+    save_file(d, str(path.with_suffix(".tmp")))
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def load_shards(directory: str) -> list[Sample]:
+def load_shards(directory: str, aux: bool = True) -> list[Sample]:
     """All conversations of a gen-data directory (or of several, comma-separated, in that order) as
-    Samples (tokens int64, loss_mask bool, features bf16)."""
+    Samples (tokens int64, loss_mask bool, features bf16: the final-norm states, then the ``aux`` ones
+    where the data has them and ``aux`` is True)."""
     from safetensors.torch import load_file
 
     if "," in directory:
-        return [s for d in directory.split(",") if d for s in load_shards(d)]
+        return [s for d in directory.split(",") if d for s in load_shards(d, aux)]
     path = Path(directory, "manifest.json")
     if not path.exists():
         raise FileNotFoundError(f"falcon-vllm: {directory!r} is not a gen-data directory (no manifest.json); "
@@ -160,8 +174,11 @@ def load_shards(directory: str) -> list[Sample]:
     for sh in man["shards"]:
         d = load_file(str(Path(directory, sh["file"])))
         off = d["offsets"].tolist()
+        feats, width = d["hidden"], 0
+        if aux and "aux" in d:
+            feats, width = torch.cat([feats, d["aux"]], 1), d["aux"].shape[1]
         for a, b in zip(off[:-1], off[1:]):
-            out.append(Sample(d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(), d["hidden"][a:b]))
+            out.append(Sample(d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(), feats[a:b], None, width))
     return out
 
 
@@ -173,9 +190,11 @@ def hf_generator(model, pad_id: int, eos_ids):
 
 
 @torch.inference_mode()
-def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_tokens: int = 8192):
-    """A Sample (tokens int32, loss_mask uint8, final-norm hidden bf16) per sequence, from right-padded prefill
-    batches of at most ``max_tokens`` padded tokens (sequences sorted by length: little padding)."""
+def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_tokens: int = 8192,
+                    aux_layers: tuple[int, ...] = ()):
+    """A Sample (tokens int32, loss_mask uint8, final-norm hidden bf16, then the states entering each of
+    ``aux_layers``) per sequence, from right-padded prefill batches of at most ``max_tokens`` padded tokens
+    (sequences sorted by length: little padding)."""
     out: list = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     i = 0
@@ -190,11 +209,14 @@ def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_to
         for r, s in enumerate(idx):
             ids[r, :len(seqs[s])] = torch.tensor(seqs[s])
             att[r, :len(seqs[s])] = 1
-        h = model.base_model(input_ids=ids, attention_mask=att).last_hidden_state  # post final norm
+        o = model.base_model(input_ids=ids, attention_mask=att, output_hidden_states=bool(aux_layers))
+        h = o.last_hidden_state  # post final norm
+        if aux_layers:  # hidden_states[i] is what enters layer i (0: the embeddings)
+            h = torch.cat([h] + [o.hidden_states[i] for i in aux_layers], -1)
         for r, s in enumerate(idx):
             n = len(seqs[s])
             out[s] = Sample(ids[r, :n].to(torch.int32), torch.tensor(masks[s], dtype=torch.uint8),
-                            h[r, :n].to(torch.bfloat16))
+                            h[r, :n].to(torch.bfloat16), None, len(aux_layers) * o.last_hidden_state.shape[-1])
         i = j
     return out
 
@@ -247,6 +269,13 @@ def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, m
 def answer_turn_count(mask) -> int:
     """Assistant turns in a loss mask whose every turn is trained: its runs of ones."""
     return sum(1 for a, b in zip([0] + list(mask[:-1]), mask) if b and not a)
+
+
+def with_aux_states(model, samples: list[Sample], aux_layers: tuple[int, ...]) -> list[Sample]:
+    """``samples`` featurized again with the states entering ``aux_layers`` (for data made without them)."""
+    new = featurize_batch(model, [s.tokens.tolist() for s in samples], [s.loss_mask.int().tolist() for s in samples],
+                          aux_layers=tuple(aux_layers))
+    return [s._replace(features=n.features, aux_width=n.aux_width) for s, n in zip(samples, new)]
 
 
 def generate_and_featurize(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids):
@@ -320,7 +349,8 @@ def load_answers(path: str, expect: dict) -> tuple[list[tuple[list[int], list[in
 def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_tokens: int = 160,
         batch_size: int = 8, shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None,
         model=None, tokenizer=None, max_turns: int = 1, max_total_tokens: int = 1024, backend: str = "hf",
-        skip_conversations: int = 0, answers: str | None = None, loss_from_turn: int = 1):
+        skip_conversations: int = 0, answers: str | None = None, loss_from_turn: int = 1,
+        aux_layers: tuple[int, ...] = ()):
     """Write ``shard_*.safetensors`` + ``manifest.json`` into ``out_dir`` (resumable by shard).
 
     ``backend``: ``vllm`` answers every shard's prompts in one continuous-batching call; ``hf``
@@ -331,6 +361,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     generated (each stored sequence must begin with its conversation's prompt); a file made with fewer turns
     than ``max_turns`` has its conversations continued (their later turns generated).
     ``loss_from_turn``: assistant turns before this one are context only (loss mask 0).
+    ``aux_layers``: also store the residual stream entering each of these target layers (``aux``).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -342,8 +373,12 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
         raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    aux_layers = tuple(int(i) for i in aux_layers)
     tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
     mdl = model or AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    if any(not 0 < i < mdl.config.num_hidden_layers for i in aux_layers):
+        raise ValueError(f"falcon-vllm: gen-data: --aux-layers must be in 1..{mdl.config.num_hidden_layers - 1} "
+                         f"(the target's layers), got {list(aux_layers)}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     convs = []
@@ -359,10 +394,13 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "backend": backend, "skip_conversations": skip_conversations,
-                "loss_from_turn": loss_from_turn,
+                "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
                 "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
     old = out / "manifest.json"
     if old.exists():  # resume: keep the measured figures of the shards already written
+        if json.loads(old.read_text()).get("aux_layers", []) != list(aux_layers):
+            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other --aux-layers; "
+                             "resume with the same ones or use a new --out")
         manifest["shards"] = [sh for sh in json.loads(old.read_text()).get("shards", [])
                               if (out / sh["file"]).exists()]
     done = {sh["file"] for sh in manifest["shards"]}
@@ -405,7 +443,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                     generate.close()
                     generate = None
             t1 = time.time()
-            write_shard(path, featurize_batch(mdl, seqs, masks))
+            write_shard(path, featurize_batch(mdl, seqs, masks, aux_layers=aux_layers))
             entry = {"file": path.name, "conversations": len(shard), "answer_tokens": sum(sum(m) for m in masks),
                      "tokens": sum(len(q) for q in seqs), "generate_s": round(t1 - t0, 2) if generated else 0.0,
                      "featurize_s": round(time.time() - t1, 2)}
@@ -445,6 +483,9 @@ def add_arguments(p):
                         "--answers of the first turns, a data set of second turns that does not repeat the first")
     p.add_argument("--answers", default=None,
                    help="a --save-answers file: its conversations are featurized from it instead of generated")
+    p.add_argument("--aux-layers", default="",
+                   help="comma-separated target layers (e.g. 2,15,27 for a 30-layer target): also store the "
+                        "hidden states entering them, the input of a drafter trained with --aux-layers")
     p.add_argument("--save-answers", default=None,
                    help="after the run, write every conversation's tokens (no hidden states) to this file")
 
@@ -457,7 +498,8 @@ def main(args):
     out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
               backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,
-              loss_from_turn=args.loss_from_turn)
+              loss_from_turn=args.loss_from_turn,
+              aux_layers=tuple(int(i) for i in args.aux_layers.split(",") if i.strip()))
     print(f"wrote {out}")
     if args.save_answers:
         print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")

@@ -51,7 +51,8 @@ def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | No
     trainer's ``block_phase="random"``) gives every position every level across epochs, where a
     fixed end trains level 1 on the same half (k=2) of the positions every epoch.
 
-    Returns dict with ids_in [B,T] (x_{j+1}), feat_in [B,T,H] (f_j), feat_lbl [B,T,H] (f_{j+k}),
+    Returns dict with ids_in [B,T] (x_{j+1}), feat_in [B,T,W] (f_j, then its aux states: W = H + aux width),
+    feat_lbl [B,T,H] (f_{j+k}),
     lbl_ids [B,T] (x_{j+k+1}), loss [B,T] bool, attn [B,T,T] bool, lengths [B].
     """
     B = len(samples)
@@ -59,10 +60,10 @@ def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | No
     if trim is not None:
         lens = [max(1, L - t) for L, t in zip(lens, trim)]
     T = max(lens)
-    H = samples[0].features.shape[1]
+    W, H = samples[0].features.shape[1], samples[0].hidden.shape[1]
     ids_in = torch.zeros(B, T, dtype=torch.long)
     lbl_ids = torch.zeros(B, T, dtype=torch.long)
-    feat_in = torch.zeros(B, T, H)
+    feat_in = torch.zeros(B, T, W)
     feat_lbl = torch.zeros(B, T, H)
     loss = torch.zeros(B, T, dtype=torch.bool)
     attn = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()  # padded rows see themselves
@@ -76,7 +77,7 @@ def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | No
         ids_in[b, :L] = tok[1:L + 1]
         lbl_ids[b, :L] = tok[k + 1:L + k + 1]
         feat_in[b, :L] = hid[:L].float()
-        feat_lbl[b, :L] = hid[k:L + k].float()
+        feat_lbl[b, :L] = s.hidden[k:L + k].float()
         loss[b, :L] = mask[k + 1:L + k + 1]  # train where the predicted token is an answer token
         attn[b, :L, :L] = chunk_mask(0, L, k)
         if teach:
@@ -107,7 +108,7 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     """
     topk = min(topk, lm_head.weight.shape[0])
     rows = [s.loss_mask[1:].bool().nonzero().flatten() for s in samples]  # feature i predicts token i+1
-    feats = torch.cat([s.features[r] for s, r in zip(samples, rows)]) if samples else torch.zeros(0, 1)
+    feats = torch.cat([s.hidden[r] for s, r in zip(samples, rows)]) if samples else torch.zeros(0, 1)
     parts = {"arg": [], "idx": [], "val": [], "lse": [], "lseT": []}
     for a in range(0, feats.shape[0], chunk):
         lg = lm_head(feats[a:a + chunk].to(lm_head.weight.device).float()).float()
@@ -161,7 +162,8 @@ def crop_context(sample: Sample, max_context: int) -> Sample:
     if a == 0:
         return sample
     teacher = None if sample.teacher is None else {n: v[a:] for n, v in sample.teacher.items()}
-    return Sample(sample.tokens[a:], sample.loss_mask[a:], sample.features[a:], teacher)
+    return sample._replace(tokens=sample.tokens[a:], loss_mask=sample.loss_mask[a:], features=sample.features[a:],
+                           teacher=teacher)
 
 
 def outside_of(samples, others) -> list:
@@ -254,12 +256,15 @@ def glance_positions(pred_ids, teacher_ids, loss, k: int, lam_value: float, mode
 
 
 def apply_glance(batch, positions):
-    """Replace input (f_p, x_{p+1}) by the coupled ground truth (f_{p+k}, x_{p+k+1}) at each p."""
+    """Replace input (f_p, x_{p+1}) by the coupled ground truth (f_{p+k}, x_{p+k+1}) at each p (without aux
+    states: in serving, features the drafter predicted have none)."""
     ids, feats = batch["ids_in"].clone(), batch["feat_in"].clone()
+    H = batch["feat_lbl"].shape[-1]
     for b, pos in enumerate(positions):
         if pos.numel():
             ids[b, pos] = batch["lbl_ids"][b, pos]
-            feats[b, pos] = batch["feat_lbl"][b, pos]
+            feats[b, pos] = 0
+            feats[b, pos, :H] = batch["feat_lbl"][b, pos]
     return ids, feats
 
 
@@ -332,7 +337,7 @@ def forward(drafter, ids, feats, batch, net=None):
 
 
 INIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
-               "head_dim", "num_layers", "k", "fusion", "fc_bias", "block_order", "draft_vocab_size")
+               "head_dim", "num_layers", "k", "fusion", "fc_bias", "block_order", "draft_vocab_size", "aux_layers")
 
 
 def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
@@ -379,6 +384,11 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
     sim tau comes with its standard error over the roots."""
     from falcon_vllm.tune_tree import accepted_length, cross_fit_accepted, mean_tau, standard_error
 
+    need = len(drafter.config.aux_layers) * drafter.config.hidden_size
+    samples = [s if need else s.without_aux() for s in samples]
+    if any(s.aux_width != need for s in samples):
+        raise ValueError(f"falcon-vllm: evaluate: the drafter reads the states entering target layers "
+                         f"{list(drafter.config.aux_layers)}; these samples do not carry them (gen_data.with_aux_states)")
     drafter.eval()
     correct = torch.zeros(k)
     total = torch.zeros(k)
@@ -478,6 +488,7 @@ class TrainConfig:
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
     train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
     init_from: str | None = None          # start from this drafter's weights (same architecture and head)
+    aux_layers: tuple[int, ...] = ()      # also read these target layers' states (the data's gen-data --aux-layers)
 
     def record(self) -> dict:
         """The fields without the machine's paths (the training record ships with the drafter)."""
@@ -564,7 +575,10 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         cfg = replace(cfg, k=1, fusion="fc", glance="none")
     if cfg.tree is None:
         cfg = replace(cfg, tree={2: "falcon-llama", 1: "eagle-small"}.get(cfg.k, f"chain-{2 * cfg.k}"))
-    data = load_shards(cfg.data_dir) if samples is None else samples
+    data = load_shards(cfg.data_dir, aux=bool(cfg.aux_layers)) if samples is None else samples
+    if not cfg.aux_layers:  # a drafter without aux layers reads the final-norm states alone
+        data = [s.without_aux() for s in data]
+    check_aux(cfg, data, target.config.hidden_size)
     if cfg.teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
         data = with_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
                             cfg.teacher_topk, log)
@@ -573,7 +587,8 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         "their prompt)")
     extra, left_out = [], 0
     if cfg.extra_data_dir:  # training-only conversations, minus any that begin like a held-out one
-        extra = load_shards(cfg.extra_data_dir)
+        extra = load_shards(cfg.extra_data_dir, aux=bool(cfg.aux_layers))
+        check_aux(replace(cfg, data_dir=cfg.extra_data_dir), extra, target.config.hidden_size)
         if cfg.teacher_topk:
             extra = with_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
         kept = outside_of(extra, val_set)
@@ -589,7 +604,8 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         train_set = train_set[:cfg.max_conversations]
     train_set = train_set + extra
     dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
-                                    draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order)
+                                    draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order,
+                                    aux_layers=tuple(cfg.aux_layers))
     drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     init_record = None
@@ -689,6 +705,27 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     if world > 1:
         torch.distributed.barrier()
     return {"final": final, "history": state["history"], "out": cfg.out_dir, "drafter": drafter}
+
+
+def check_aux(cfg: TrainConfig, data: list, hidden: int) -> None:
+    """The data must carry exactly the aux states ``cfg.aux_layers`` asks for (none when it asks for none)."""
+    if not data:
+        return
+    if cfg.aux_layers and cfg.data_dir:
+        have = []
+        for d in cfg.data_dir.split(","):
+            if d:
+                with open(os.path.join(d, "manifest.json")) as f:
+                    have.append(json.load(f).get("aux_layers", []))
+        if any(h != list(cfg.aux_layers) for h in have):
+            raise ValueError(f"falcon-vllm: train: --aux-layers {list(cfg.aux_layers)}, but {cfg.data_dir} has "
+                             f"{have[0] if len(have) == 1 else have}; make the data with "
+                             f"`falcon-vllm gen-data --aux-layers {','.join(map(str, cfg.aux_layers))}`")
+    width = len(cfg.aux_layers) * hidden
+    bad = sum(1 for s in data if s.aux_width != width)
+    if bad:
+        raise ValueError(f"falcon-vllm: train: {bad} conversations do not carry the {len(cfg.aux_layers)} aux states "
+                         f"--aux-layers {list(cfg.aux_layers)} asks for")
 
 
 def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | None = None) -> None:
@@ -839,6 +876,9 @@ def add_arguments(p):
                         "reversed = its last, whose input is the newest")
     p.add_argument("--token-weight", type=float, default=0.1,
                    help="weight of the token losses (soft + CE) against the feature regression (the paper's 0.1)")
+    p.add_argument("--aux-layers", default="",
+                   help="comma-separated target layers whose input states the drafter also reads (EAGLE-3's "
+                        "low/mid/high features); the data must have been made with the same gen-data --aux-layers")
     p.add_argument("--block-phase", choices=["fixed", "random"], default="fixed",
                    help="random: each step trims 0..k-1 of a conversation's last positions, so every position "
                         "trains every block level across epochs (fixed: the same level each epoch)")
@@ -881,7 +921,8 @@ def main(args):
                       eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
-                      block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight)
+                      block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight,
+                      aux_layers=tuple(int(i) for i in args.aux_layers.split(",") if i.strip()))
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0

@@ -158,6 +158,10 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     path = resolve_drafter(sc.get("model"), target_hf)
     cfg = FalconConfig.load(path)  # clear errors: missing dir, no config.json, not a Falcon drafter
     cfg.check_target(target_hf)    # clear error: drafter for another hidden size / vocabulary
+    if cfg.aux_layers:
+        raise ValueError(f"falcon-vllm: the drafter at {path} reads the states entering target layers "
+                         f"{list(cfg.aux_layers)} (trained with --aux-layers); the vLLM proposer passes it the final "
+                         "hidden states only, so it cannot serve this drafter. Use one trained without --aux-layers")
     check_weights(path)
     want_k = sc.pop("falcon_k", None)
     if want_k is not None and want_k != cfg.k:
