@@ -501,11 +501,12 @@ def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
     d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     T = 10
     f = wide[0].features[None, :T].float()
-    args = (d.embed(wide[0].tokens[1:T + 1][None]), torch.arange(T)[None], torch.ones(T, T, dtype=torch.bool))
-    out_wide = d(args[0], f, *args[1:])[0]
-    torch.testing.assert_close(out_wide, d(args[0], f[..., :64], *args[1:])[0])  # zero projection: no effect yet
-    with pytest.raises(ValueError, match="width 100"):
-        d(args[0], f[..., :100], *args[1:])
+    with torch.no_grad():  # (featurized tokens are inference tensors)
+        args = (d.embed(wide[0].tokens[1:T + 1][None]), torch.arange(T)[None], torch.ones(T, T, dtype=torch.bool))
+        out_wide = d(args[0], f, *args[1:])[0]
+        torch.testing.assert_close(out_wide, d(args[0], f[..., :64], *args[1:])[0])  # zero projection: no effect yet
+        with pytest.raises(ValueError, match="width 100"):
+            d(args[0], f[..., :100], *args[1:])
 
     res = train(TrainConfig(str(tmp_path / "aux"), k=2, fusion="fc", epochs=2, batch_size=8, lr=3e-3,
                             eval_every_epoch=False, eval_roots=12, aux_layers=(1,)),
@@ -516,3 +517,16 @@ def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
     with pytest.raises(ValueError, match="do not carry the 1 aux states"):
         train(TrainConfig(str(tmp_path / "bad"), k=2, fusion="fc", epochs=1, aux_layers=(1,)),
               samples=data, target=target, log=lambda *a: None)
+    from falcon_vllm.train.gen_data import with_aux_states
+    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.tree import build_tree
+
+    again = with_aux_states(target, data[:3], (1,))  # data made without them, featurized again
+    assert all(a.aux_width == 64 and torch.equal(a.tokens, s.tokens) for a, s in zip(again, data))
+    torch.testing.assert_close(again[0].features.float(), wide[0].features.float(), atol=2e-2, rtol=2e-2)
+    back.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    with pytest.raises(ValueError, match="do not carry them"):
+        evaluate(back, data[:2], build_tree("chain-2", 2), 2, 64, 4)
+    assert evaluate(back, again, build_tree("chain-2", 2), 2, 64, 4)["sim_roots"] > 0
+    with pytest.raises(ValueError, match="final hidden states only"):
+        FalconReferenceEngine(target, back, "chain-2")
