@@ -530,3 +530,45 @@ def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
     assert evaluate(back, again, build_tree("chain-2", 2), 2, 64, 4)["sim_roots"] > 0
     with pytest.raises(ValueError, match="final hidden states only"):
         FalconReferenceEngine(target, back, "chain-2")
+
+
+@pytest.mark.parametrize("length", [17, 18])
+def test_second_pass_is_the_serving_pass_two(target, data, length):
+    """The training-time second pass gives every block the outputs serving's second drafter pass gives it
+    (the pass after its root block: true tokens, the first pass's predicted features, the first pass's K/V
+    of the earlier blocks), for a 2-layer reversed-order drafter, blocks aligned to each row's end."""
+    from falcon_vllm.config import FalconConfig
+    from falcon_vllm.drafter import chunk_mask
+    from falcon_vllm.train.trainer import second_pass
+
+    torch.manual_seed(1)
+    k = 2
+    d = FalconDrafter(FalconConfig.from_target(target.config, k=k, fusion="fc", num_layers=2, block_order="reversed"))
+    d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    b = make_batch([data[0], data[1]], k, 64, trim=[len(data[0].tokens) - k - 1 - length, 0])
+    assert int(b["lengths"][0]) == length
+    with torch.no_grad():
+        pred, kv = forward(d, b["ids_in"], b["feat_in"], b, with_kv=True)
+        pred2, rows = second_pass(d, b["ids_in"], pred, kv, b, k)
+        L = length
+        assert rows[0, :L].sum() == L - k - L % k and not rows[0, L:].any()
+        tok, f = data[0].tokens, data[0].features.float()
+        for e in range(L % k + k - 1, L - k, k):  # each full root block's last row; its pass two drafts e+1..e+k
+            n = e + 1
+            out, kv1 = d(d.embed(tok[1:n + 1][None]), f[None, :n], torch.arange(n)[None], chunk_mask(0, n, k))
+            nxt, _ = d(d.embed(tok[n + 1:n + 1 + k][None]), out[:, -k:], (n + torch.arange(k))[None],
+                       torch.ones(k, n + k, dtype=torch.bool), kv1)
+            torch.testing.assert_close(pred2[0, n:n + k], nxt[0], atol=1e-5, rtol=1e-4)
+            assert rows[0, n:n + k].all()
+
+
+def test_second_pass_loss_trains(tmp_path, target, data):
+    """--second-pass adds the second pass's loss: the run trains and records its weight; a negative weight is refused."""
+    res = train(TrainConfig(str(tmp_path / "d"), k=2, fusion="fc", epochs=2, batch_size=8, lr=3e-3, glance="none",
+                            eval_every_epoch=False, eval_roots=12, second_pass=1.0),
+                samples=data, target=target, log=lambda *a: None)
+    assert res["final"]["sim_roots"] > 0
+    record = json.loads((tmp_path / "d" / "config.json").read_text())["falcon"]["extra"]["training"]
+    assert record["second_pass"] == 1.0
+    with pytest.raises(ValueError, match="second-pass loss weight"):
+        train(TrainConfig(str(tmp_path / "e"), second_pass=-1.0), samples=data, target=target, log=lambda *a: None)

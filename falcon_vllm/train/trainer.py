@@ -328,12 +328,40 @@ def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: floa
                                                                "ce": float(ce.detach()), "acc": float(acc)}
 
 
-def forward(drafter, ids, feats, batch, net=None):
-    """Drafter outputs [B, T, H] of a training batch; ``net`` is the module to call (a DDP wrapper)."""
+def forward(drafter, ids, feats, batch, net=None, with_kv: bool = False):
+    """Drafter outputs [B, T, H] of a training batch (and its K/V with ``with_kv``); ``net`` is the module to
+    call (a DDP wrapper)."""
     B, T = ids.shape
     pos = torch.arange(T, device=ids.device).expand(B, T)
-    out, _ = (net or drafter)(drafter.embed(ids), feats, pos, batch["attn"], lengths=batch["lengths"])
-    return out
+    out, kv = (net or drafter)(drafter.embed(ids), feats, pos, batch["attn"], lengths=batch["lengths"])
+    return (out, kv) if with_kv else out
+
+
+def second_pass(drafter, ids, pred, kv, batch, k: int, net=None):
+    """The drafter's second pass over a training batch, as serving runs it (EAGLE-3's training-time test).
+
+    End-aligned blocks make the block after a root block the one its second pass drafts, so every block
+    becomes a second-pass block at once: row j reads its true token x_{j+1} (as drafted tokens are verified
+    against) and the feature the first pass predicted for it, ``pred[j - k]`` (detached), and attends to the
+    first pass's K/V of the earlier blocks and to its own block's second-pass K/V.  Rows whose source row
+    lies before the first full block are left out.  Returns (outputs [B, T, H], rows [B, T] bool)."""
+    B, T = ids.shape
+    dev = ids.device
+    L = batch["lengths"].to(dev)[:, None]
+    j = torch.arange(T, device=dev)[None].expand(B, T)
+    real = j < L
+    blk = torch.where(real, (L - 1 - j) // k, -1)                    # 0 = the last block of the row
+    rows = real & (j - k >= L % k)                                    # its source row is in a full block
+    feats = torch.zeros_like(pred)
+    feats[:, k:] = pred[:, :-k].detach()
+    feats = feats * rows[..., None]
+    q, c = blk[:, :, None], blk[:, None, :]
+    earlier = (c > q) & real[:, :, None] & real[:, None, :]
+    own = ((c == q) & real[:, :, None] & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=dev)[None]
+    pos = j
+    out, _ = (net or drafter)(drafter.embed(ids), feats, pos, torch.cat([earlier, own], 2), past=kv,
+                              lengths=batch["lengths"])
+    return out, rows
 
 
 INIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
@@ -488,6 +516,7 @@ class TrainConfig:
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
     train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
     init_from: str | None = None          # start from this drafter's weights (same architecture and head)
+    second_pass: float = 0.0              # weight of the loss on a second pass fed the first's predicted features
     aux_layers: tuple[int, ...] = ()      # also read these target layers' states (the data's gen-data --aux-layers)
 
     def record(self) -> dict:
@@ -527,9 +556,16 @@ def train_step(drafter, net, opt, sched, batch: dict, epoch: int, cfg: TrainConf
                 loss_mask = loss_mask.clone()
                 for b, p in enumerate(pos):
                     loss_mask[b, p] = False
-        pred = forward(drafter, ids, feats, batch, net)
+        pred, kv = forward(drafter, ids, feats, batch, net, with_kv=True)
         tok_mask = subsample(loss_mask, cfg.logit_positions, gen)
         loss, parts = losses(drafter, pred, batch, loss_mask, cfg.w_dist, cfg.alpha, token_mask=tok_mask)
+        if cfg.second_pass:
+            pred2, rows = second_pass(drafter, ids, pred, kv, batch, cfg.k, net)
+            mask2 = batch["loss"] & rows
+            loss2, parts2 = losses(drafter, pred2, batch, mask2, cfg.w_dist, cfg.alpha,
+                                   token_mask=subsample(mask2, cfg.logit_positions, gen))
+            loss = loss + cfg.second_pass * loss2
+            parts["acc2"] = parts2["acc"]
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_value_(drafter.parameters(), 0.5)
@@ -561,9 +597,13 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         raise ValueError(f"falcon-vllm: train: block_phase must be 'fixed' or 'random', not {cfg.block_phase!r}")
     if not cfg.w_dist >= 0:
         raise ValueError(f"falcon-vllm: train: the token-loss weight must be >= 0, not {cfg.w_dist!r}")
+    if cfg.second_pass < 0:
+        raise ValueError(f"falcon-vllm: train: the second-pass loss weight must be >= 0, not {cfg.second_pass!r}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("falcon-vllm: train: --device cuda but torch sees no CUDA device")
     rank, world, device = init_distributed(cfg.device)
+    if cfg.second_pass and world > 1:
+        raise ValueError("falcon-vllm: train: --second-pass runs in one process only (not yet under torchrun)")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     rng = random.Random(cfg.seed + rank)
     gen = torch.Generator().manual_seed(cfg.seed + rank)
@@ -876,6 +916,9 @@ def add_arguments(p):
                         "reversed = its last, whose input is the newest")
     p.add_argument("--token-weight", type=float, default=0.1,
                    help="weight of the token losses (soft + CE) against the feature regression (the paper's 0.1)")
+    p.add_argument("--second-pass", type=float, default=0.0,
+                   help="weight of a second loss on the drafter's next pass, fed the features its first pass "
+                        "predicted (as tree passes are in serving; EAGLE-3's training-time test); 0 = off")
     p.add_argument("--aux-layers", default="",
                    help="comma-separated target layers whose input states the drafter also reads (EAGLE-3's "
                         "low/mid/high features); the data must have been made with the same gen-data --aux-layers")
@@ -922,7 +965,8 @@ def main(args):
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
                       block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight,
-                      aux_layers=tuple(int(i) for i in args.aux_layers.split(",") if i.strip()))
+                      aux_layers=tuple(int(i) for i in args.aux_layers.split(",") if i.strip()),
+                      second_pass=args.second_pass)
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
