@@ -86,7 +86,7 @@ def main(argv=None) -> int:
 
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
-    from falcon_vllm.train.gen_data import load_shards, with_aux_states
+    from falcon_vllm.train.gen_data import load_shards, stored_aux_layers, with_aux_states
     from falcon_vllm.train.trainer import evaluate, split_held_out
     from falcon_vllm.tree import build_tree
 
@@ -102,8 +102,7 @@ def main(argv=None) -> int:
                 sets = {d: eval_set(d, a.num_prompts, a.max_new_tokens, a.work, target_dir, target, aux)
                         for d in a.datasets.split(",") if d}
                 if a.sharegpt:  # the trainer's held-out conversations (less those whose prompt it trained on)
-                    stored = all(json.load(open(os.path.join(d, "manifest.json"))).get("aux_layers", []) == list(aux)
-                                 for d in a.sharegpt.split(",") if d)
+                    stored = all(h == list(aux) for h in stored_aux_layers(a.sharegpt))
                     _, held, left_out = split_held_out(load_shards(a.sharegpt, aux=stored and bool(aux)))
                     sets["sharegpt-heldout"] = held if stored or not aux else with_aux_states(target, held, aux)
                     print(f"sharegpt-heldout: {len(held)} conversations ({left_out} left out: a training "
@@ -125,8 +124,8 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots, widths)
             row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
-                   "block_order": d.config.block_order, "aux_layers": list(d.config.aux_layers), "dataset": name, "conversations": len(samples),
-                   "tree": tree, **r}
+                   "block_order": d.config.block_order, "aux_layers": list(d.config.aux_layers), "dataset": name,
+                   "conversations": len(samples), "tree": tree, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)
     res = {"command": "python benchmarks/heldout_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),

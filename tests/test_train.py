@@ -525,7 +525,7 @@ def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
     assert all(a.aux_width == 64 and torch.equal(a.tokens, s.tokens) for a, s in zip(again, data))
     torch.testing.assert_close(again[0].features.float(), wide[0].features.float(), atol=2e-2, rtol=2e-2)
     back.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
-    with pytest.raises(ValueError, match="do not carry them"):
+    with pytest.raises(ValueError, match="2 conversations do not carry the 1 aux states"):
         evaluate(back, data[:2], build_tree("chain-2", 2), 2, 64, 4)
     assert evaluate(back, again, build_tree("chain-2", 2), 2, 64, 4)["sim_roots"] > 0
     with pytest.raises(ValueError, match="final hidden states only"):

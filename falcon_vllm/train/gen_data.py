@@ -182,6 +182,17 @@ def load_shards(directory: str, aux: bool = True) -> list[Sample]:
     return out
 
 
+def stored_aux_layers(directory: str) -> list[list[int]]:
+    """The ``--aux-layers`` each gen-data directory (comma-separated: several) was written with ([] for none)."""
+    return [json.loads(Path(d, "manifest.json").read_text()).get("aux_layers", [])
+            for d in directory.split(",") if d]
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """``--aux-layers`` as given on the command line ("2,15,27"; "" for none)."""
+    return tuple(int(i) for i in text.split(",") if i.strip())
+
+
 def hf_generator(model, pad_id: int, eos_ids):
     """Greedy answers with HF ``generate`` (left-padded batches): for machines without vLLM."""
     def generate(prompts, max_new_tokens):
@@ -398,11 +409,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                 "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
     old = out / "manifest.json"
     if old.exists():  # resume: keep the measured figures of the shards already written
-        if json.loads(old.read_text()).get("aux_layers", []) != list(aux_layers):
+        written = json.loads(old.read_text())
+        if written.get("aux_layers", []) != list(aux_layers):
             raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other --aux-layers; "
                              "resume with the same ones or use a new --out")
-        manifest["shards"] = [sh for sh in json.loads(old.read_text()).get("shards", [])
-                              if (out / sh["file"]).exists()]
+        manifest["shards"] = [sh for sh in written.get("shards", []) if (out / sh["file"]).exists()]
     done = {sh["file"] for sh in manifest["shards"]}
     stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
     if stored and stored_turns < max_turns:
@@ -499,7 +510,7 @@ def main(args):
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
               backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,
               loss_from_turn=args.loss_from_turn,
-              aux_layers=tuple(int(i) for i in args.aux_layers.split(",") if i.strip()))
+              aux_layers=layer_list(args.aux_layers))
     print(f"wrote {out}")
     if args.save_answers:
         print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")

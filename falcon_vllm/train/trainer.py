@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.drafter import FalconDrafter, chunk_mask
-from falcon_vllm.train.gen_data import Sample, load_shards
+from falcon_vllm.train.gen_data import Sample, layer_list, load_shards, stored_aux_layers
 from falcon_vllm.tree import build_tree
 
 
@@ -356,10 +356,10 @@ def second_pass(drafter, ids, pred, kv, batch, k: int, net=None):
     feats[:, k:] = pred[:, :-k].detach()
     feats = feats * rows[..., None]
     q, c = blk[:, :, None], blk[:, None, :]
-    earlier = (c > q) & real[:, :, None] & real[:, None, :]
-    own = ((c == q) & real[:, :, None] & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=dev)[None]
-    pos = j
-    out, _ = (net or drafter)(drafter.embed(ids), feats, pos, torch.cat([earlier, own], 2), past=kv,
+    both = real[:, :, None] & real[:, None, :]
+    earlier = (c > q) & both
+    own = ((c == q) & both) | torch.eye(T, dtype=torch.bool, device=dev)[None]  # padded rows see themselves
+    out, _ = (net or drafter)(drafter.embed(ids), feats, j, torch.cat([earlier, own], 2), past=kv,
                               lengths=batch["lengths"])
     return out, rows
 
@@ -412,11 +412,9 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
     sim tau comes with its standard error over the roots."""
     from falcon_vllm.tune_tree import accepted_length, cross_fit_accepted, mean_tau, standard_error
 
-    need = len(drafter.config.aux_layers) * drafter.config.hidden_size
-    samples = [s if need else s.without_aux() for s in samples]
-    if any(s.aux_width != need for s in samples):
-        raise ValueError(f"falcon-vllm: evaluate: the drafter reads the states entering target layers "
-                         f"{list(drafter.config.aux_layers)}; these samples do not carry them (gen_data.with_aux_states)")
+    if not drafter.config.aux_layers:
+        samples = [s.without_aux() for s in samples]
+    check_aux(drafter.config.aux_layers, samples, drafter.config.hidden_size)
     drafter.eval()
     correct = torch.zeros(k)
     total = torch.zeros(k)
@@ -618,7 +616,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     data = load_shards(cfg.data_dir, aux=bool(cfg.aux_layers)) if samples is None else samples
     if not cfg.aux_layers:  # a drafter without aux layers reads the final-norm states alone
         data = [s.without_aux() for s in data]
-    check_aux(cfg, data, target.config.hidden_size)
+    check_aux(cfg.aux_layers, data, target.config.hidden_size, cfg.data_dir if samples is None else None)
     if cfg.teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
         data = with_teacher(cfg.data_dir if samples is None else None, data, target.get_output_embeddings(),
                             cfg.teacher_topk, log)
@@ -628,7 +626,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     extra, left_out = [], 0
     if cfg.extra_data_dir:  # training-only conversations, minus any that begin like a held-out one
         extra = load_shards(cfg.extra_data_dir, aux=bool(cfg.aux_layers))
-        check_aux(replace(cfg, data_dir=cfg.extra_data_dir), extra, target.config.hidden_size)
+        check_aux(cfg.aux_layers, extra, target.config.hidden_size, cfg.extra_data_dir)
         if cfg.teacher_topk:
             extra = with_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
         kept = outside_of(extra, val_set)
@@ -747,25 +745,21 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     return {"final": final, "history": state["history"], "out": cfg.out_dir, "drafter": drafter}
 
 
-def check_aux(cfg: TrainConfig, data: list, hidden: int) -> None:
-    """The data must carry exactly the aux states ``cfg.aux_layers`` asks for (none when it asks for none)."""
-    if not data:
-        return
-    if cfg.aux_layers and cfg.data_dir:
-        have = []
-        for d in cfg.data_dir.split(","):
-            if d:
-                with open(os.path.join(d, "manifest.json")) as f:
-                    have.append(json.load(f).get("aux_layers", []))
-        if any(h != list(cfg.aux_layers) for h in have):
-            raise ValueError(f"falcon-vllm: train: --aux-layers {list(cfg.aux_layers)}, but {cfg.data_dir} has "
+def check_aux(aux_layers, data: list, hidden: int, data_dir: str | None = None) -> None:
+    """``data`` (read from ``data_dir``, if given) must carry exactly the states entering ``aux_layers`` (none when
+    there are none): a drafter reading other layers, or none, would be trained or scored on the wrong input."""
+    if aux_layers and data_dir:
+        have = stored_aux_layers(data_dir)
+        if any(h != list(aux_layers) for h in have):
+            raise ValueError(f"falcon-vllm: train: --aux-layers {list(aux_layers)}, but {data_dir} has "
                              f"{have[0] if len(have) == 1 else have}; make the data with "
-                             f"`falcon-vllm gen-data --aux-layers {','.join(map(str, cfg.aux_layers))}`")
-    width = len(cfg.aux_layers) * hidden
+                             f"`falcon-vllm gen-data --aux-layers {','.join(map(str, aux_layers))}`")
+    width = len(aux_layers) * hidden
     bad = sum(1 for s in data if s.aux_width != width)
     if bad:
-        raise ValueError(f"falcon-vllm: train: {bad} conversations do not carry the {len(cfg.aux_layers)} aux states "
-                         f"--aux-layers {list(cfg.aux_layers)} asks for")
+        raise ValueError(f"falcon-vllm: {bad} conversations do not carry the {len(aux_layers)} aux states "
+                         f"--aux-layers {list(aux_layers)} asks for (gen-data --aux-layers, or "
+                         "gen_data.with_aux_states for data made without them)")
 
 
 def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | None = None) -> None:
@@ -965,7 +959,7 @@ def main(args):
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
                       block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight,
-                      aux_layers=tuple(int(i) for i in args.aux_layers.split(",") if i.strip()),
+                      aux_layers=layer_list(args.aux_layers),
                       second_pass=args.second_pass)
     res = train(cfg)
     if res["final"] is None:  # not rank 0
