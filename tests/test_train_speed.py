@@ -30,13 +30,16 @@ def check(r: dict, steps: int, warmup: int, batch: int = 8):
 
 
 def test_tiny_cpu_falcon_run_writes_json_and_markdown(tmp_path):
+    # Its own process: an in-process vLLM CPU engine (other test files start one) replaces torch.set_num_threads
+    # with a no-op for the rest of the process, and this run checks that --threads is honoured.
     out = tmp_path / "ts.json"
-    r = train_speed.main(["--tiny", "--steps", "3", "--warmup", "1", "--threads", "2", "--out", str(out)])
+    subprocess.run([sys.executable, os.path.join(BENCH, "train_speed.py"), "--tiny", "--steps", "3", "--warmup", "1",
+                    "--threads", "2", "--out", str(out)], check=True, timeout=600)
+    r = json.loads(out.read_text())
     check(r, 3, 1)
     assert r["device"] == "cpu" and r["peak_gpu_mem_gib"] is None and r["threads"] == 2
     assert r["mode"] == "falcon" and r["vocab"] == 512 and r["draft_vocab"] == 256
-    saved = json.loads(out.read_text())
-    assert saved["s_per_step"] == r["s_per_step"] and saved["command"].endswith(f"--out {out}")
+    assert r["command"].endswith(f"--out {out}")
     md = (tmp_path / "ts.md").read_text()
     assert "| s/step (mean, median, min) |" in md and f"{r['s_per_step']:.4f}" in md
 
