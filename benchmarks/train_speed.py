@@ -140,7 +140,8 @@ def run(args) -> dict:
         cfg = trainer.TrainConfig(os.path.join(tmp, "drafter"), **RECIPE[args.mode], epochs=2,
                                   batch_size=args.batch_size, lr=LAST_STAGE_LR, max_steps=total, teacher_topk=64,
                                   draft_vocab=draft_vocab, bf16=args.bf16, device=args.device, eval_every_epoch=False,
-                                  resume=False, eval_roots=args.eval_roots)
+                                  resume=False, eval_roots=args.eval_roots,
+                                  logit_positions=args.logit_positions or None)
         trainer.train_step, trainer.teacher_cache = timed_step, timed_cache
         try:
             t_train = time.perf_counter()
@@ -166,7 +167,7 @@ def run(args) -> dict:
         "warmup_s": round(rec["ends"][w - 1] - rec["starts"][0], 3),
         "step_s": [round(x, 4) for x in dts], "s_per_step": round(s_step, 4),
         "s_per_step_min": round(min(dts), 4), "s_per_step_median": round(sorted(dts)[len(dts) // 2], 4),
-        "sdp": args.sdp, "fixed_length": args.fixed_length, "s_in_train_step": round(sum(inside) / len(inside), 4),
+        "sdp": args.sdp, "fixed_length": args.fixed_length, "logit_positions": args.logit_positions, "s_in_train_step": round(sum(inside) / len(inside), 4),
         "steps_per_s": round(1 / s_step, 3),
         "conversations_per_s": round(sum(rec["convs"][w:]) / sum(dts), 2),
         "positions_per_s": round(sum(rec["positions"][w:]) / sum(dts), 1),
@@ -188,6 +189,7 @@ def markdown(r: dict) -> str:
             ("s/step (mean, median, min)", f"{r['s_per_step']:.4f}, {r['s_per_step_median']:.4f}, "
                                            f"{r['s_per_step_min']:.4f} over {r['timed_steps']} steps"),
             ("attention kernels, lengths", f"sdp {r['sdp']}, {'all 288' if r['fixed_length'] else '200-288'}"),
+            ("LM-head rows per batch", r["logit_positions"] or "all loss positions"),
             ("steps/s", f"{r['steps_per_s']:.3f}"), ("conversations/s", f"{r['conversations_per_s']:.2f}"),
             ("tokens/s (positions, answer tokens)", f"{r['positions_per_s']:.0f}, {r['answer_tokens_per_s']:.0f}"),
             ("peak GPU memory", "-" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']:.2f} GiB"),
@@ -216,6 +218,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sdp", default="default", choices=["default", "no-cudnn", "flash", "mem_efficient", "math"],
                    help="CUDA: which scaled_dot_product_attention kernels torch may use "
                         "(default: the trainer's own choice, all but cuDNN's)")
+    p.add_argument("--logit-positions", type=int, default=trainer.TrainConfig.logit_positions,
+                   help="LM-head rows per batch for the token losses (the trainer's flag; 0 = all loss positions)")
     p.add_argument("--fixed-length", action="store_true",
                    help="every conversation 128 + 160 tokens (default: 64-128 + 136-160): one batch shape")
     p.add_argument("--out", default=None, help="JSON result path (a .md is written next to it)")

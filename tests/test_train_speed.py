@@ -45,9 +45,11 @@ def test_tiny_cpu_falcon_run_writes_json_and_markdown(tmp_path):
 
 
 def test_tiny_cpu_eagle_run():
-    r = train_speed.main(["--tiny", "--mode", "eagle", "--steps", "2", "--warmup", "1", "--batch-size", "4"])
+    r = train_speed.main(["--tiny", "--mode", "eagle", "--steps", "2", "--warmup", "1", "--batch-size", "4",
+                          "--logit-positions", "0"])
     check(r, 2, 1, batch=4)
     assert r["mode"] == "eagle" and len(r["final"]["top1_by_block_position"]) == 1  # k=1
+    assert r["logit_positions"] == 0
 
 
 def test_importing_the_benchmark_and_trainer_needs_no_vllm():
