@@ -44,12 +44,14 @@ def test_tiny_cpu_falcon_run_writes_json_and_markdown(tmp_path):
     assert "| s/step (mean, median, min) |" in md and f"{r['s_per_step']:.4f}" in md
 
 
-def test_tiny_cpu_eagle_run():
+def test_tiny_cpu_eagle_run(tmp_path):
+    out = tmp_path / "ts.json"
     r = train_speed.main(["--tiny", "--mode", "eagle", "--steps", "2", "--warmup", "1", "--batch-size", "4",
-                          "--logit-positions", "0"])
+                          "--logit-positions", "0", "--out", str(out)])
     check(r, 2, 1, batch=4)
     assert r["mode"] == "eagle" and len(r["final"]["top1_by_block_position"]) == 1  # k=1
     assert r["logit_positions"] == 0
+    assert json.loads(out.read_text())["s_per_step"] == r["s_per_step"]  # the JSON holds what main returned
 
 
 def test_importing_the_benchmark_and_trainer_needs_no_vllm():
