@@ -154,7 +154,8 @@ def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):
 
 def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
     """--init-from loads a trained drafter whole (truncated head and d2t map included, not re-derived from
-    the data), records what it continued, and refuses another architecture."""
+    the data), records what it continued, and refuses another architecture; given more layers than its
+    source, it grows it (the new layer starts as the identity) but never shrinks one."""
     kw = dict(samples=data, target=target, log=lambda *a: None)
     base = TrainConfig(str(tmp_path / "a"), k=2, epochs=1, batch_size=8, lr=3e-3, draft_vocab=32,
                        eval_every_epoch=False, eval_roots=12)
@@ -164,7 +165,7 @@ def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
         a.d2t.copy_(torch.arange(32, 64) - torch.arange(32))
     a.save_pretrained(str(tmp_path / "a"))
     # lr 0: the continuation changes nothing, so what it saves is exactly what it loaded
-    train(replace(base, out_dir=str(tmp_path / "b"), lr=0.0, init_from=str(tmp_path / "a")), **kw)
+    b_final = train(replace(base, out_dir=str(tmp_path / "b"), lr=0.0, init_from=str(tmp_path / "a")), **kw)["final"]
     b = FalconDrafter.from_pretrained(str(tmp_path / "b"), target.config)
     assert all(torch.equal(v, b.state_dict()[n]) for n, v in a.state_dict().items())
     rec = b.config.extra["training"]
@@ -177,10 +178,20 @@ def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
                       eval_every_epoch=False, eval_roots=12, init_from=str(tmp_path / "e" / "vllm-eagle")), **kw)
     e, f = (FalconDrafter.from_pretrained(str(tmp_path / d), target.config) for d in "ef")
     assert all(torch.equal(v, f.state_dict()[n]) for n, v in e.state_dict().items())
-    for bad, what in ((dict(layers=2), "num_layers"), (dict(draft_vocab=16), "draft_vocab_size"),
-                      (dict(block_order="reversed"), "block_order")):
+    for bad, what in ((dict(draft_vocab=16), "draft_vocab_size"), (dict(block_order="reversed"), "block_order")):
         with pytest.raises(ValueError, match=f"another architecture.*{what}"):
             train(replace(base, out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "a"), **bad), **kw)
+    # more layers: grown, the new one the identity, so with lr 0 it scores exactly what its source scored
+    g = train(replace(base, out_dir=str(tmp_path / "g"), lr=0.0, layers=2, init_from=str(tmp_path / "a")), **kw)
+    assert {n: g["final"][n] for n in ("top1_by_block_position", "sim_tau")} == \
+        {n: b_final[n] for n in ("top1_by_block_position", "sim_tau")}
+    gd = FalconDrafter.from_pretrained(str(tmp_path / "g"), target.config)
+    assert gd.config.num_layers == 2 and gd.config.extra["training"]["init_from"]["grown_layers"] == [1]
+    assert all(torch.equal(v, gd.state_dict()[n]) for n, v in a.state_dict().items())
+    assert not gd.layers[1].self_attn.o_proj.weight.any() and not gd.layers[1].mlp.down_proj.weight.any()
+    assert gd.layers[1].self_attn.q_proj.weight.any()                  # the rest of the layer is initialised
+    with pytest.raises(ValueError, match="another architecture.*num_layers 2 \\(run: 1\\)"):  # never shrunk
+        train(replace(base, out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "g")), **kw)
 
 
 def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):

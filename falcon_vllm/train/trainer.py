@@ -370,17 +370,27 @@ INIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "int
 
 def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
     """Load the weights of a trained drafter (Falcon format, or vLLM's EAGLE layout) into ``drafter``,
-    whose architecture must be the same, head and ``d2t`` map included.  Returns the provenance kept in
-    the new drafter's training record: {"drafter": name, "training": the old drafter's own record}."""
+    whose architecture must be the same, head and ``d2t`` map included, except that ``drafter`` may have
+    more decoder layers: the source's layers fill the first ones and each extra layer starts as the
+    identity (its attention and MLP output projections zero), so the grown drafter first predicts exactly
+    what the source did.  Returns the provenance kept in the new drafter's training record:
+    {"drafter": name, "training": the old drafter's own record[, "grown_layers": the new layers]}."""
     src = FalconDrafter.load(directory, target_config)
+    n_src, n_run = src.config.num_layers, drafter.config.num_layers
     diff = [f"{n} {getattr(src.config, n)!r} (run: {getattr(drafter.config, n)!r})" for n in INIT_FIELDS
-            if getattr(src.config, n) != getattr(drafter.config, n)]
+            if getattr(src.config, n) != getattr(drafter.config, n) and not (n == "num_layers" and n_src < n_run)]
     if diff:
-        raise ValueError(f"falcon-vllm: train: --init-from {directory} is another architecture than this run's: "
-                         + ", ".join(diff))
-    drafter.load_state_dict(src.state_dict())
-    return {"drafter": os.path.basename(os.path.normpath(directory)),
-            "training": src.config.extra.get("training")}
+        raise ValueError(f"falcon-vllm: train: --init-from {directory} is another architecture than this run's "
+                         "(only more decoder layers may differ): " + ", ".join(diff))
+    drafter.load_state_dict({**drafter.state_dict(), **src.state_dict()})
+    with torch.no_grad():
+        for layer in drafter.layers[n_src:]:  # residual branches that write nothing: the identity
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    record = {"drafter": os.path.basename(os.path.normpath(directory)), "training": src.config.extra.get("training")}
+    if n_src < n_run:
+        record["grown_layers"] = list(range(n_src, n_run))
+    return record
 
 
 def to_device(batch: dict, device) -> dict:
@@ -927,7 +937,8 @@ def add_arguments(p):
                    help="train on the first N training conversations only (the held-out set is unchanged)")
     p.add_argument("--init-from", default=None,
                    help="start from this trained drafter's weights (same architecture and draft head; a new "
-                        "optimiser and schedule: e.g. to train a shipped drafter further)")
+                        "optimiser and schedule: e.g. to train a shipped drafter further). With more --layers than "
+                        "it has, the extra layers start as the identity (zero output projections)")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank its LOCAL_RANK GPU)")
