@@ -307,6 +307,37 @@ def test_gen_data_answers_file_reproduces_the_data(tmp_path, target, monkeypatch
         gen_data.run("tiny", str(tmp_path / "f"), 4, 8, answers=str(tmp_path / "bad.safetensors"), **kw)
 
 
+def test_gen_data_featurizes_the_data_replies(tmp_path, target, monkeypatch):
+    """--replies data: each prompt followed by its conversation's own first reply (cut after the end of turn or
+    at max_new_tokens), the target's features over it, nothing generated; other turn settings or a resume
+    with target replies are refused."""
+    from falcon_vllm.train import gen_data
+
+    replies = ["ab", "a much longer reply", ""]
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": r}]}
+             for i, r in enumerate(replies)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    monkeypatch.setattr(gen_data, "greedy_batch", lambda *a, **k: pytest.fail("--replies data must not generate"))
+    tok = _FakeTokenizer()
+    kw = dict(model=target, tokenizer=tok, data=str(tmp_path / "sg.json"), backend="hf", shard_size=2)
+    out = gen_data.run("tiny", str(tmp_path / "d"), 3, 8, replies="data", **kw)
+    got = load_shards(str(out))
+    assert json.loads((out / "manifest.json").read_text())["generation"] == "the data's own replies"
+    for i, (s, r) in enumerate(zip(got, replies)):
+        prompt = tok.apply_chat_template([{"role": "user", "content": f"q{i}"}], add_generation_prompt=True)
+        ans = ([5 + ord(c) % 50 for c in r] + [4])[:8] if r else []
+        assert s.tokens.tolist() == prompt + ans and s.loss_mask.tolist() == [0] * len(prompt) + [1] * len(ans)
+        with torch.no_grad():
+            h = target.base_model(input_ids=s.tokens[None].long()).last_hidden_state[0]
+        assert torch.allclose(s.features.float(), h.to(torch.bfloat16).float(), atol=1e-2)
+    assert len(got[0].tokens) - int(got[0].loss_mask.nonzero()[0]) == 3  # "ab" + end of turn
+    assert int(got[1].loss_mask.sum()) == 8 and int(got[2].loss_mask.sum()) == 0  # capped; no reply
+    with pytest.raises(ValueError, match="first replies only"):
+        gen_data.run("tiny", str(tmp_path / "e"), 3, 8, replies="data", max_turns=2, **kw)
+    with pytest.raises(ValueError, match="other --replies \\(the data's own replies\\); resume with the same"):
+        gen_data.run("tiny", str(tmp_path / "d"), 3, 8, **kw)
+
+
 def test_gen_data_two_turns(target):
     from falcon_vllm.train.gen_data import multi_turn
 

@@ -277,6 +277,31 @@ def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, m
     return seqs, masks
 
 
+def dataset_replies(tokenizer, convs, prompts, max_new_tokens: int, eos_ids):
+    """Tokens and masks of each prompt followed by its conversation's own first reply (no generation): the
+    reply as the chat template renders it, cut after its end-of-turn token or at ``max_new_tokens``.  The
+    fixed-data recipe of EAGLE and Falcon (the target's features and teacher over another model's text)."""
+    seqs, masks = [], []
+    for conv, prompt in zip(convs, prompts):
+        reply = conv[1]["value"] if len(conv) > 1 and conv[1].get("from") == "gpt" else None
+        ans = []
+        if reply:
+            r = tokenizer.apply_chat_template([{"role": "user", "content": conv[0]["value"]},
+                                               {"role": "assistant", "content": reply}])
+            full = list(r["input_ids"] if hasattr(r, "keys") else r)
+            if full[:len(prompt)] != list(prompt):
+                raise ValueError("falcon-vllm: gen-data: --replies data needs a chat template whose prompt is a "
+                                 "prefix of the rendered conversation; this one is not")
+            for t in full[len(prompt):]:
+                ans.append(t)
+                if t in eos_ids:
+                    break
+            ans = ans[:max_new_tokens]
+        seqs.append(list(prompt) + ans)
+        masks.append([0] * len(prompt) + [1] * len(ans))
+    return seqs, masks
+
+
 def answer_turn_count(mask) -> int:
     """Assistant turns in a loss mask whose every turn is trained: its runs of ones."""
     return sum(1 for a, b in zip([0] + list(mask[:-1]), mask) if b and not a)
@@ -361,7 +386,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
         batch_size: int = 8, shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None,
         model=None, tokenizer=None, max_turns: int = 1, max_total_tokens: int = 1024, backend: str = "hf",
         skip_conversations: int = 0, answers: str | None = None, loss_from_turn: int = 1,
-        aux_layers: tuple[int, ...] = ()):
+        aux_layers: tuple[int, ...] = (), replies: str = "target"):
     """Write ``shard_*.safetensors`` + ``manifest.json`` into ``out_dir`` (resumable by shard).
 
     ``backend``: ``vllm`` answers every shard's prompts in one continuous-batching call; ``hf``
@@ -373,6 +398,8 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     than ``max_turns`` has its conversations continued (their later turns generated).
     ``loss_from_turn``: assistant turns before this one are context only (loss mask 0).
     ``aux_layers``: also store the residual stream entering each of these target layers (``aux``).
+    ``replies``: ``target`` (the target answers, greedy) or ``data`` (the data's own first replies, featurized
+    without generating: ``dataset_replies``).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -380,6 +407,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     if loss_from_turn < 1 or loss_from_turn > max_turns:
         raise ValueError(f"falcon-vllm: gen-data: --loss-from-turn must be in 1..--max-turns ({max_turns}), "
                          f"got {loss_from_turn}")
+    if replies not in ("target", "data"):
+        raise ValueError(f"falcon-vllm: gen-data: --replies must be 'target' or 'data', got {replies!r}")
+    if replies == "data" and (max_turns != 1 or answers):
+        raise ValueError("falcon-vllm: gen-data: --replies data featurizes the data's first replies only: "
+                         "it takes neither --max-turns above 1 nor --answers")
     if backend not in ("hf", "vllm"):
         raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
     out = Path(out_dir)
@@ -406,10 +438,14 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "backend": backend, "skip_conversations": skip_conversations,
                 "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
-                "dtype": "bfloat16", "generation": "greedy (self-distillation)", "shards": []}
+                "dtype": "bfloat16", "shards": [],
+                "generation": "greedy (self-distillation)" if replies == "target" else "the data's own replies"}
     old = out / "manifest.json"
     if old.exists():  # resume: keep the measured figures of the shards already written
         written = json.loads(old.read_text())
+        if written.get("generation", manifest["generation"]) != manifest["generation"]:
+            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other --replies "
+                             f"({written['generation']}); resume with the same ones or use a new --out")
         if written.get("aux_layers", []) != list(aux_layers):
             raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other --aux-layers; "
                              "resume with the same ones or use a new --out")
@@ -420,7 +456,8 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
         print(f"falcon-vllm: gen-data: continuing the {stored_turns}-turn conversations of {answers} "
               f"to {max_turns} turns")
     generate = None
-    bar = tqdm(total=len(prompts), desc=f"gen-data ({backend})", unit="conv")
+    bar = tqdm(total=len(prompts), desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})",
+               unit="conv")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
         if not path.exists() or path.name not in done:
@@ -431,8 +468,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                     if q[:len(prompts[i])] != prompts[i]:
                         raise ValueError(f"falcon-vllm: gen-data: --answers {answers}: conversation {i} does not "
                                          "begin with this data's prompt (another dataset, template or order)")
-            generated = not from_answers or stored_turns < max_turns
-            if generated:
+            generated = replies == "target" and (not from_answers or stored_turns < max_turns)
+            if replies == "data":
+                seqs, masks = dataset_replies(tok, [convs[i] for i in shard], [prompts[i] for i in shard],
+                                              max_new_tokens, eos)
+            elif generated:
                 if generate is None:
                     if backend == "vllm":
                         from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
@@ -497,6 +537,10 @@ def add_arguments(p):
     p.add_argument("--aux-layers", default="",
                    help="comma-separated target layers (e.g. 2,15,27 for a 30-layer target): also store the "
                         "hidden states entering them, the input of a drafter trained with --aux-layers")
+    p.add_argument("--replies", choices=["target", "data"], default="target",
+                   help="target: the target answers each prompt (greedy self-distillation); data: the data's own "
+                        "first reply, cut at --max-new-tokens, is featurized without generating (the fixed-data "
+                        "recipe of EAGLE and Falcon)")
     p.add_argument("--save-answers", default=None,
                    help="after the run, write every conversation's tokens (no hidden states) to this file")
 
@@ -509,8 +553,7 @@ def main(args):
     out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
               backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,
-              loss_from_turn=args.loss_from_turn,
-              aux_layers=layer_list(args.aux_layers))
+              loss_from_turn=args.loss_from_turn, aux_layers=layer_list(args.aux_layers), replies=args.replies)
     print(f"wrote {out}")
     if args.save_answers:
         print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")
