@@ -10,6 +10,8 @@ files plus ``manifest.json``.  Resumable: finished shards are skipped.  Never do
 The generated token sequences alone (no hidden states: a few MB) can be kept with ``--save-answers FILE``
 and given back with ``--answers FILE``: a later run then only featurizes the conversations the file holds (one
 prefill pass, about half of gen-data's time) and generates the rest, so a dataset grows run after run.
+``--replies data`` generates nothing: each prompt's own first reply in the data (ShareGPT's) is featurized
+instead, the fixed-data recipe of EAGLE and Falcon (the trainer's labels are still the target's predictions).
 
 Shard layout (``shard_00000.safetensors``): ``tokens`` [T] int32, ``loss_mask`` [T] uint8,
 ``hidden`` [T, H] bf16, ``offsets`` [n+1] int64 (conversation i is ``offsets[i]:offsets[i+1]``), and with
