@@ -336,6 +336,9 @@ def test_gen_data_featurizes_the_data_replies(tmp_path, target, monkeypatch):
         gen_data.run("tiny", str(tmp_path / "e"), 3, 8, replies="data", max_turns=2, **kw)
     with pytest.raises(ValueError, match="other --replies \\(the data's own replies\\); resume with the same"):
         gen_data.run("tiny", str(tmp_path / "d"), 3, 8, **kw)
+    gen_data.save_answers(str(out), str(tmp_path / "replies.safetensors"))  # never passed off as the target's
+    with pytest.raises(ValueError, match="other settings: generation \"the data's own replies\""):
+        gen_data.run("tiny", str(tmp_path / "f"), 3, 8, answers=str(tmp_path / "replies.safetensors"), **kw)
 
 
 def test_gen_data_two_turns(target):

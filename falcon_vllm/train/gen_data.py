@@ -330,8 +330,8 @@ def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids
 
 
 ANSWER_KEYS = ("target", "max_new_tokens", "max_turns", "max_total_tokens", "max_prompt_tokens",
-               "skip_conversations", "loss_from_turn")
-ANSWER_DEFAULTS = {"loss_from_turn": "1"}  # files written before the key existed
+               "skip_conversations", "loss_from_turn", "generation")
+ANSWER_DEFAULTS = {"loss_from_turn": "1", "generation": "greedy (self-distillation)"}  # files from before the keys
 
 
 def save_answers(out_dir: str, path: str) -> int:
