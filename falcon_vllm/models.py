@@ -126,6 +126,13 @@ def model_path(name: str = DEFAULT_MODEL, dtype: str = "float32") -> Path:
     return convert_gguf(find_gguf(name), out, dtype)
 
 
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template (transformers returns a list or,
+    in newer versions, an encoding holding ``input_ids``)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def load_chat_prompts(dataset: str, n: int | None = None) -> list[dict]:
     """Benchmark prompts from installed packages.
 

@@ -254,7 +254,7 @@ def main(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from tqdm import tqdm
 
-    from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 
     torch.manual_seed(0)
     tpath = args.target or str(model_path())
@@ -272,8 +272,7 @@ def main(args):
             roots = list(range(max(s.answer_start(), drafter.k), len(s.tokens) - args.max_depth - 1, 2))
             profiles += rank_profile(drafter, s.tokens, s.features.float(), args.max_depth, args.topk, roots)
     for q in tqdm(load_chat_prompts(args.dataset, args.num_prompts) if not args.data else [], desc="rank profile"):
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        ids = chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
         x = torch.tensor([ids])
         with torch.inference_mode():
             seq = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.gen_tokens,

@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from falcon_vllm.models import chat_ids
+
 
 class Sample(NamedTuple):
     """One conversation: what gen-data stores, plus the trainer's cached teacher."""
@@ -95,9 +97,7 @@ def iter_sharegpt(path: str | None = None, min_turns: int = 2):
 def build_prompts(tokenizer, convs, max_prompt_tokens: int, return_convs: bool = False):
     out, kept = [], []
     for conv in convs:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": conv[0]["value"]}],
-                                            add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": conv[0]["value"]}], add_generation_prompt=True)
         if len(ids) <= max_prompt_tokens:
             out.append(ids)
             kept.append(conv)
@@ -133,12 +133,9 @@ def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:
     Taken from two renderings of the same (placeholder) conversation, so it is exactly what the chat
     template puts between an assistant turn's end-of-turn token and the next answer.
     """
-    def ids(msgs, gen):
-        r = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
-        return list(r["input_ids"] if hasattr(r, "keys") else r)
     base = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-    a = ids(base, False)
-    b = ids(base + [{"role": "user", "content": question}], True)
+    a = chat_ids(tokenizer, base)
+    b = chat_ids(tokenizer, base + [{"role": "user", "content": question}], add_generation_prompt=True)
     ends = [i for i, t in enumerate(a) if t in eos_ids]
     if b[:len(a)] != a or not ends:
         raise ValueError("falcon-vllm: chat template is not prefix-stable; multi-turn gen-data is not supported for it")
@@ -288,9 +285,8 @@ def dataset_replies(tokenizer, convs, prompts, max_new_tokens: int, eos_ids):
         reply = conv[1]["value"] if len(conv) > 1 and conv[1].get("from") == "gpt" else None
         ans = []
         if reply:
-            r = tokenizer.apply_chat_template([{"role": "user", "content": conv[0]["value"]},
-                                               {"role": "assistant", "content": reply}])
-            full = list(r["input_ids"] if hasattr(r, "keys") else r)
+            full = chat_ids(tokenizer, [{"role": "user", "content": conv[0]["value"]},
+                                        {"role": "assistant", "content": reply}])
             if full[:len(prompt)] != list(prompt):
                 raise ValueError("falcon-vllm: gen-data: --replies data needs a chat template whose prompt is a "
                                  "prefix of the rendered conversation; this one is not")
@@ -331,7 +327,8 @@ def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids
 
 ANSWER_KEYS = ("target", "max_new_tokens", "max_turns", "max_total_tokens", "max_prompt_tokens",
                "skip_conversations", "loss_from_turn", "generation")
-ANSWER_DEFAULTS = {"loss_from_turn": "1", "generation": "greedy (self-distillation)"}  # files from before the keys
+GENERATION = {"target": "greedy (self-distillation)", "data": "the data's own replies"}  # per --replies
+ANSWER_DEFAULTS = {"loss_from_turn": "1", "generation": GENERATION["target"]}  # files from before the keys
 
 
 def save_answers(out_dir: str, path: str) -> int:
@@ -409,7 +406,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     if loss_from_turn < 1 or loss_from_turn > max_turns:
         raise ValueError(f"falcon-vllm: gen-data: --loss-from-turn must be in 1..--max-turns ({max_turns}), "
                          f"got {loss_from_turn}")
-    if replies not in ("target", "data"):
+    if replies not in GENERATION:
         raise ValueError(f"falcon-vllm: gen-data: --replies must be 'target' or 'data', got {replies!r}")
     if replies == "data" and (max_turns != 1 or answers):
         raise ValueError("falcon-vllm: gen-data: --replies data featurizes the data's first replies only: "
@@ -441,16 +438,16 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                 "max_prompt_tokens": max_prompt_tokens, "backend": backend, "skip_conversations": skip_conversations,
                 "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
                 "dtype": "bfloat16", "shards": [],
-                "generation": "greedy (self-distillation)" if replies == "target" else "the data's own replies"}
+                "generation": GENERATION[replies]}
     old = out / "manifest.json"
     if old.exists():  # resume: keep the measured figures of the shards already written
         written = json.loads(old.read_text())
-        if written.get("generation", manifest["generation"]) != manifest["generation"]:
-            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other --replies "
-                             f"({written['generation']}); resume with the same ones or use a new --out")
-        if written.get("aux_layers", []) != list(aux_layers):
-            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other --aux-layers; "
-                             "resume with the same ones or use a new --out")
+        # ``before``: what a directory written before the key holds
+        for key, flag, before in (("generation", "--replies", GENERATION["target"]),
+                                  ("aux_layers", "--aux-layers", [])):
+            if written.get(key, before) != manifest[key]:
+                raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other {flag} "
+                                 f"({written.get(key, before)}); resume with the same ones or use a new --out")
         manifest["shards"] = [sh for sh in written.get("shards", []) if (out / sh["file"]).exists()]
     done = {sh["file"] for sh in manifest["shards"]}
     stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
