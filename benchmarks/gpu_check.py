@@ -16,7 +16,8 @@ own functions (``falcon_vllm.vllm.tree_verify`` / ``tree_draft`` / ``paged_kv``)
 * ``attn-whole``: ``VerifyTreeAttention.attend`` serving the whole batch (tree rows under their ancestor
   mask, the others causally), through ``_attn_fn`` (CUDA: the Triton kernel), every layer;
 * ``attn-rows``: the same with a prefill chunk in the batch (only tree rows recomputed, others untouched);
-* ``draft``: ``DraftTreeAttention`` over every SAR tree pass of the tree (paged prefix + ancestor blocks);
+* ``draft``: ``DraftTreeAttention`` over every SAR tree pass of the tree (paged prefix + ancestor blocks),
+  through ``_draft_kernel`` (CUDA: the Triton kernel, queries apart from their in-flight keys; CPU: dense);
 * ``compact-kernel`` / ``compact-copies``: ``compact_kv`` (one ``kv_compaction`` launch / ``copy_kv_slots``);
 * ``sampler-*``: ``tree_sample`` (greedy; top-k 1 in single-request chunks, which must equal greedy;
   temperature + top-p, checked structurally) and the compaction it runs on the caches, input ids,
@@ -622,8 +623,24 @@ def check_target_attention(ck: Checker, st: Step, whole: bool, paths):
         ck.piece(case.id, "attn-whole" if whole else "attn-rows", path, prepare, run, check, per=L, max_syncs=0)
 
 
-def check_draft(ck: Checker, st: Step):
-    from falcon_vllm.vllm.tree_draft import DraftTreeAttention
+def check_draft(ck: Checker, st: Step, paths):
+    """The drafter's tree passes through each of ``paths`` (as for the target attention): None is the plugin's own
+    choice (``_draft_kernel``: the Triton kernel for CUDA tensors, else the dense path)."""
+    from falcon_vllm.vllm import tree_draft
+
+    for path, fn in paths:
+        if fn is None:
+            picked = tree_draft._draft_kernel(st.q[0], "flash")
+            path = "dense" if picked is None else {"tree_attention": "triton"}.get(picked.__name__, picked.__name__)
+            ctx = contextlib.nullcontext()
+        else:
+            ctx = patched(tree_draft, _draft_kernel=lambda q, layout, fn=fn: fn)
+        with ctx:
+            check_draft_path(ck, st, path)
+
+
+def check_draft_path(ck: Checker, st: Step, path: str):
+    from falcon_vllm.vllm import tree_draft
 
     case, tree, k = st.case, st.tree, st.tree.k
     B, d = case.B, case.d
@@ -639,7 +656,7 @@ def check_draft(ck: Checker, st: Step):
                       for per in inputs]
 
     def run():  # one drafter step: its attention object, then every tree pass through every drafter layer
-        att = DraftTreeAttention(st.table, prefix, k, max_prefix=st.md.max_seq_len)
+        att = tree_draft.DraftTreeAttention(st.table, prefix, k, max_prefix=st.md.max_seq_len)
         for p, chain in enumerate(passes):
             att.begin_pass(chain)
             for j, (layer, kv, _) in enumerate(names):
@@ -669,8 +686,7 @@ def check_draft(ck: Checker, st: Step):
                     note=f"{len(passes)} tree passes x {len(names)} layers")
 
     if passes:
-        ck.piece(case.id, "draft", "DraftTreeAttention", prepare, run, check,
-                 per=max(1, len(passes) * len(names)))
+        ck.piece(case.id, "draft", path, prepare, run, check, per=max(1, len(passes) * len(names)))
 
 
 def accepted_paths(st: Step) -> dict[int, list[int]]:
@@ -958,7 +974,7 @@ def main(argv=None) -> int:
                     if ck.wants("attn-whole" if whole else "attn-rows"):
                         check_target_attention(ck, st, whole, attn_paths(dev, triton_mode))
                 if ck.wants("draft"):
-                    check_draft(ck, st)
+                    check_draft(ck, st, attn_paths(dev, triton_mode))
                 if ck.wants("compact-kernel") and triton_mode:
                     check_compaction(ck, st, True, triton_mode)
                 if ck.wants("compact-copies"):

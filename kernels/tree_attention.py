@@ -30,6 +30,13 @@ Layouts (T = sum_b W_b; Hq query heads, Hkv kv heads, Hq % Hkv == 0; D = head_di
   scale            softmax scale (usually D ** -0.5)
   output           [T, Hq, D] in q's dtype.  GQA: query head h uses kv head h // (Hq // Hkv).
 
+The drafter's SAR tree passes query only the newest of their in-flight tokens: the blocks of this
+pass attend to their ancestor blocks of the earlier passes too.  For them ``kv_start_loc`` [B+1]
+int32 gives the in-flight keys apart (k, v [sum_b WK_b, Hkv, D]); request b's W_b queries are its last
+W_b in-flight tokens, and row i of ``tree_bits`` covers its WK_b in-flight keys.  A query row may also see
+the rest of its own group of ``group`` rows (the k rows of a SAR block attend to each other); key j is
+visible to query i only if j < WK_b - W_b + ceil((i + 1) / group) * group.
+
 Algorithm: FlashAttention-2 style tiled attention with the online-softmax recurrence (running row
 max m, normaliser l, un-normalised accumulator acc, all fp32; exp2 with log2(e) folded into the
 scale), extended with (1) paged prefix reads through the block table and (2) an ancestor bitmask
@@ -107,14 +114,22 @@ def pack_tree_mask(mask: torch.Tensor, num_words: Optional[int] = None) -> torch
         raise ValueError("falcon-vllm: pack_tree_mask: token i may only see tokens j <= i (parents before children)")
     if W and not mask.diagonal().all():
         raise ValueError("falcon-vllm: pack_tree_mask: every in-flight token must see itself (diagonal all true)")
-    need = (W + WORD_BITS - 1) // WORD_BITS
+    return pack_mask_rows(mask, num_words)
+
+
+def pack_mask_rows(mask: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
+    """[R, C] bool -> [R, num_words] int32, bit ``j % 32`` of word ``j // 32`` of row i = ``mask[i, j]``;
+    any mask (:func:`pack_tree_mask` checks a tree's first).  For queries apart from their in-flight keys."""
+    mask = torch.as_tensor(mask).to("cpu", torch.bool)
+    R, C = mask.shape
+    need = (C + WORD_BITS - 1) // WORD_BITS
     num_words = need if num_words is None else num_words
     if num_words < need:
-        raise ValueError(f"falcon-vllm: pack_tree_mask: W={W} needs {need} words, got num_words={num_words}")
-    padded = torch.zeros(W, num_words * WORD_BITS, dtype=torch.int64)
-    padded[:, :W] = mask.long()
+        raise ValueError(f"falcon-vllm: pack_mask_rows: {C} columns need {need} words, got num_words={num_words}")
+    padded = torch.zeros(R, num_words * WORD_BITS, dtype=torch.int64)
+    padded[:, :C] = mask.long()
     lanes = torch.arange(WORD_BITS, dtype=torch.int64)
-    words = (padded.view(W, num_words, WORD_BITS) << lanes).sum(-1)      # [W, num_words] int64
+    words = (padded.view(R, num_words, WORD_BITS) << lanes).sum(-1)      # [R, num_words] int64
     return _to_int32_words(words)
 
 
@@ -181,13 +196,15 @@ def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_table: torch.Tensor, prefix_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, tree_bits: torch.Tensor, scale: float, *,
-                       out: Optional[torch.Tensor] = None, **_hints) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, kv_start_loc: Optional[torch.Tensor] = None,
+                       **_hints) -> torch.Tensor:
     """Plain-torch tree attention (the CPU path and the kernels' test oracle).
 
     Same arguments, shapes and result as :func:`tree_attention` (see the module docstring):
-    q [T, Hq, D], k/v [T, Hkv, D], key/value_cache [num_blocks, block_size, Hkv, D],
-    block_table [B, max_blocks] int32, prefix_lens [B] int32, query_start_loc [B+1] int32,
-    tree_bits [T, n_words] int32 (any mask is honoured here, not only lower-triangular ones);
+    q [T, Hq, D], k/v [T, Hkv, D] (or [sum WK_b, Hkv, D] with ``kv_start_loc``), key/value_cache
+    [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int32, prefix_lens [B] int32,
+    query_start_loc [B+1] int32, tree_bits [T, n_words] int32 (any mask is honoured here, not only
+    lower-triangular ones);
     returns [T, Hq, D] in q's dtype (written into ``out`` when given).  Tuning hints accepted by
     the kernel (``max_query_len``, ``num_splits``, ...) are ignored.
 
@@ -202,19 +219,21 @@ def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bs = key_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
+    kstarts = starts if kv_start_loc is None else kv_start_loc.tolist()
     plens = prefix_lens.tolist()
     for b in range(len(starts) - 1):
         s, e, P = starts[b], starts[b + 1], plens[b]
+        ks, ke = kstarts[b], kstarts[b + 1]
         W = e - s
         if W == 0:
             continue
         blocks = block_table[b, :(P + bs - 1) // bs].long()
         kp = key_cache[blocks].reshape(-1, Hkv, D)[:P]                    # [P, Hkv, D]
         vp = value_cache[blocks].reshape(-1, Hkv, D)[:P]
-        keys = torch.cat([kp, k[s:e]]).float().transpose(0, 1)            # [Hkv, P+W, D]
-        vals = torch.cat([vp, v[s:e]]).float().transpose(0, 1)
-        allowed = torch.ones(W, P + W, dtype=torch.bool, device=q.device)  # [W, P+W]
-        allowed[:, P:] = unpack_tree_bits(tree_bits[s:e], W)
+        keys = torch.cat([kp, k[ks:ke]]).float().transpose(0, 1)          # [Hkv, P+WK, D]
+        vals = torch.cat([vp, v[ks:ke]]).float().transpose(0, 1)
+        allowed = torch.ones(W, P + ke - ks, dtype=torch.bool, device=q.device)  # [W, P+WK]
+        allowed[:, P:] = unpack_tree_bits(tree_bits[s:e], ke - ks)
         o = torch.nn.functional.scaled_dot_product_attention(
             q[s:e].float().transpose(0, 1), keys, vals, attn_mask=allowed, scale=scale,
             enable_gqa=Hq != Hkv)                                         # [Hq, W, D]
@@ -244,11 +263,11 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
-    def _tree_attn_fwd(Q, K, V, KC, VC, BT, PL, QSL, BITS, O, PACC, PLSE, LOCK, scale_log2e,
+    def _tree_attn_fwd(Q, K, V, KC, VC, BT, PL, QSL, KSL, BITS, O, PACC, PLSE, LOCK, scale_log2e,
                        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
                        s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
                        s_bt, s_bits, s_ot, s_oh, s_pa_s, s_pa_t, s_pm_s, s_pm_t,
-                       REP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                       REP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_M: tl.constexpr, TOK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, FUSE: tl.constexpr, BALANCE: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -258,6 +277,10 @@ if triton is not None:
         split = tl.program_id(2) % NUM_SPLITS
         start = tl.load(QSL + b)
         W = tl.load(QSL + b + 1) - start
+        # the request's in-flight keys (its queries are the last W of them; KSL is QSL unless given apart)
+        k_start = tl.load(KSL + b)
+        WK = tl.load(KSL + b + 1) - k_start
+        q_off = WK - W
         m0 = tile * TOK_M
         if m0 >= W:
             return
@@ -277,11 +300,11 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, D), tl.float32)
 
         # this split's keys: a share of the committed prefix [lo, hi) and of the in-flight keys [j_lo, j_hi)
-        # this tile can see (masks are lower-triangular: none past its last token).  Default: the prefix cut
+        # this tile can see (none past the end of its last token's GROUP of rows).  Default: the prefix cut
         # in NUM_SPLITS chunks, the in-flight keys all in the last split.  BALANCE: the prefix (padded to 32)
         # followed by the in-flight keys cut as one sequence, so the last split is no straggler.
         P = tl.load(PL + b)
-        j_all = tl.minimum(W, m0 + TOK_M)
+        j_all = tl.minimum(WK, q_off + tl.cdiv(tl.minimum(W, m0 + TOK_M), GROUP) * GROUP)
         if BALANCE:
             p_pad = tl.cdiv(P, 32) * 32
             chunk = tl.cdiv(tl.cdiv(p_pad + j_all, NUM_SPLITS), 64) * 64      # a multiple of 32: word-aligned
@@ -314,10 +337,10 @@ if triton is not None:
         lane = tl.arange(0, 32)
         for j0 in range(j_lo, j_hi, 32):
             j = j0 + lane
-            kv_ok = j < W
+            kv_ok = j < WK
             word = tl.load(BITS + row * s_bits + j0 // 32, mask=row_ok, other=0)   # [BLOCK_M] int32
             vis = (((word[:, None] >> lane[None, :]) & 1) != 0) & kv_ok[None, :]
-            krow = (start + j).to(tl.int64)
+            krow = (k_start + j).to(tl.int64)
             kt = tl.load(K + krow[:, None] * s_kt + hk * s_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
             vt = tl.load(V + krow[:, None] * s_vt + hk * s_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
             acc, m_i, l_i = _online_softmax_tile(q, kt, vt, vis, acc, m_i, l_i, scale_log2e, DOT_PREC, UPCAST)
@@ -424,7 +447,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    query_start_loc: torch.Tensor, tree_bits: torch.Tensor, scale: float, *,
                    out: Optional[torch.Tensor] = None, max_query_len: Optional[int] = None,
                    max_prefix_len: Optional[int] = None, num_splits: Optional[int] = None,
-                   config: Optional[dict] = None) -> torch.Tensor:
+                   config: Optional[dict] = None, kv_start_loc: Optional[torch.Tensor] = None,
+                   group: int = 1) -> torch.Tensor:
     """Triton tree attention; shapes and semantics in the module docstring.
 
     Args (beyond the tensors):
@@ -433,6 +457,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         max_query_len: max_b W_b.  Pass it (vLLM's metadata has it) to avoid a device sync.
         max_prefix_len: max_b P_b, used only to choose ``num_splits``; pass it to avoid a sync.
         num_splits: prefix splits (split-KV); default from the SM count and ``max_prefix_len``.
+        kv_start_loc: [B+1] int32, the in-flight keys apart from the queries (the queries of a request are
+            its last in-flight tokens); default ``query_start_loc``.
+        group: rows that see each other whole (a SAR block's k rows); 1 for trees and chains.
         config: override tile sizes: ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; and the
             split-KV merge: ``partials`` ("half": q's dtype, "fp32") and ``fuse_combine`` (True: the last
             split to finish merges, one launch; False: a separate combine launch); ``balance`` (True: the
@@ -456,6 +483,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
+    if group < 1:
+        raise ValueError(f"falcon-vllm: tree_attention: group must be >= 1, got {group}")
     rep = Hq // Hkv
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -495,14 +524,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         pacc = plse = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
     locks = _split_locks(q.device, n_tiles * B * Hkv) if fuse else plse
     _tree_attn_fwd[(n_tiles, B, Hkv * num_splits)](
-        q, k, v, key_cache, value_cache, block_table, prefix_lens, query_start_loc, tree_bits, out,
+        q, k, v, key_cache, value_cache, block_table, prefix_lens, query_start_loc,
+        query_start_loc if kv_start_loc is None else kv_start_loc, tree_bits, out,
         pacc, plse, locks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), tree_bits.stride(0), out.stride(0), out.stride(1),
         pacc.stride(0), pacc.stride(1), plse.stride(0), plse.stride(1),
-        REP=rep, PAGE=key_cache.shape[1], D=D, BLOCK_M=block_m, TOK_M=tok_m,
+        REP=rep, PAGE=key_cache.shape[1], D=D, GROUP=group, BLOCK_M=block_m, TOK_M=tok_m,
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         FUSE=fuse, BALANCE=num_splits > 1 and cfg["balance"], DOT_PREC=dot_prec, UPCAST=upcast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

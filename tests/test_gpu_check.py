@@ -29,8 +29,8 @@ def test_cpu_mode_passes(tmp_path):
     assert {r["case"] for r in rows} == {c.id for c in gpu_check.grid(gpu_check.GRIDS["quick"])}
     done = {(r["piece"], r["path"]) for r in rows}
     for want in [("step", "_begin_tree_step"), ("attn-whole", "torch-ref"), ("attn-whole", "triton-interpreter"),
-                 ("attn-rows", "torch-ref"), ("attn-rows", "triton-interpreter"), ("draft", "DraftTreeAttention"),
-                 ("compact-kernel", "triton-interpreter"), ("compact-copies", "copy_kv_slots")]:
+                 ("attn-rows", "torch-ref"), ("attn-rows", "triton-interpreter"), ("draft", "dense"),
+                 ("draft", "triton-interpreter"), ("compact-kernel", "triton-interpreter"), ("compact-copies", "copy_kv_slots")]:
         assert want in done, want
     assert {r["piece"] for r in rows} >= {"sampler-greedy", "sampler-topk1", "sampler-topp"}
     accepted = [int(r["note"].split()[0]) for r in rows if r["piece"] == "sampler-topp"]

@@ -15,7 +15,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from falcon_vllm.kernels.kv_compaction import (kv_compaction, kv_compaction_ref,  # noqa: E402
                                                plane_table, vllm_planes)
 from falcon_vllm.kernels.tree_attention import (ancestor_mask_from_parents, batch_tree_bits,  # noqa: E402
-                                                causal_tree_bits, pack_tree_mask, tree_attention,
+                                                causal_tree_bits, pack_mask_rows, pack_tree_mask, tree_attention,
                                                 tree_attention_ref, tree_bits_from_parents,
                                                 tree_bits_from_tree, unpack_tree_bits)
 from falcon_vllm.tree import build_tree, DecodingTree  # noqa: E402
@@ -144,6 +144,65 @@ def test_tree_attention_small_tiles_and_out_buffer():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def _sar_case(passes, k, Hq, Hkv, D, dtype, prefix_lens, seed):
+    """In-flight keys apart from the queries, as the drafter's tree passes have them: request b has WK_b keys
+    (its earlier passes' blocks, then this pass's) and queries its last W_b = blocks x k; a query row sees
+    a random subset of the earlier keys and its whole own block of k rows.  Returns the kernel's arguments
+    (kv_start_loc last) and the same problem with every in-flight key also a query row (square masks)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k_, v, bits, full_q, full_bits, qsl, ksl, fqsl = [], [], [], [], [], [], [0], [0], [0]
+    for hist_blocks, nb in passes:
+        nh, nq = hist_blocks * k, nb * k
+        own = torch.rand(nq, nh, generator=g) < 0.5
+        own = torch.cat([own, torch.zeros(nq, nq, dtype=torch.bool)], 1)
+        for i in range(nq):
+            own[i, nh + i // k * k: nh + (i // k + 1) * k] = True
+        full = torch.eye(nh + nq, dtype=torch.bool)
+        full[nh:] = own
+        words = (nh + nq + 31) // 32
+        bits.append(pack_mask_rows(own, words))
+        full_bits.append(pack_mask_rows(full, words))
+        qq = torch.randn(nq, Hq, D, generator=g).to(dtype)
+        q.append(qq)
+        full_q.append(torch.cat([torch.randn(nh, Hq, D, generator=g).to(dtype), qq]))
+        k_.append(torch.randn(nh + nq, Hkv, D, generator=g).to(dtype))
+        v.append(torch.randn(nh + nq, Hkv, D, generator=g).to(dtype))
+        qsl.append(qsl[-1] + nq)
+        ksl.append(ksl[-1] + nh + nq)
+    words = max(b.shape[1] for b in bits)
+    pad = lambda b: torch.nn.functional.pad(b, (0, words - b.shape[1]))  # noqa: E731
+    base = _case(prefix_lens, [build_tree("chain-1", 1)] * len(passes), Hq, Hkv, D, dtype, seed=seed)
+    kc, vc, bt, pl = base[3:7]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    cat = lambda xs: torch.cat(xs).to(DEV)  # noqa: E731
+    ksl_t = i32(ksl)
+    args = (cat(q), cat(k_), cat(v), kc, vc, bt, pl, i32(qsl), cat([pad(b) for b in bits]))
+    full = (cat(full_q), cat(k_), cat(v), kc, vc, bt, pl, ksl_t, cat([pad(b) for b in full_bits]))
+    return args, ksl_t, full, ksl
+
+
+@pytest.mark.parametrize("k,Hq,Hkv,block_m,num_splits", [(2, 4, 2, None, None), (2, 3, 1, 16, None),
+                                                          (3, 2, 2, 16, 2), (2, 7, 1, None, 3)])
+def test_tree_attention_queries_apart_from_their_keys(k, Hq, Hkv, block_m, num_splits):
+    """The drafter's SAR tree passes: queries are the last rows of each request's in-flight keys (kv_start_loc)
+    and see their own block whole (group=k), also where a query tile ends inside a block (tiles of 5, 9 and 16
+    tokens) and across mask words (a pass of 20 blocks after 30 earlier ones).  The reference equals the
+    square problem's rows; the kernel equals the reference."""
+    passes = [(0, 3), (16, 8), (30, 20)]
+    args, ksl, full, kstarts = _sar_case(passes, k, Hq, Hkv, 64, torch.float32, [21, 0, 70], seed=k + Hq)
+    ref = tree_attention_ref(*args, scale=0.125, kv_start_loc=ksl)
+    square = tree_attention_ref(*full, scale=0.125)
+    rows = torch.cat([torch.arange(kstarts[b] + h * k, kstarts[b + 1]) for b, (h, _) in enumerate(passes)])
+    torch.testing.assert_close(ref, square[rows.to(DEV)], rtol=1e-5, atol=1e-5)
+    config = {"block_m": block_m, "block_n": 16} if block_m else None
+    out = tree_attention(*args, scale=0.125, kv_start_loc=ksl, group=k, num_splits=num_splits, config=config)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    if k == 3:  # without the group, a tile ending inside a block at a mask word's end misses the block's later
+        # rows: request 1's first tile ends at key 24 + 8 = 32 (for k dividing 32 no word boundary cuts a block)
+        wrong = tree_attention(*args, scale=0.125, kv_start_loc=ksl, num_splits=num_splits, config=config)
+        assert not torch.allclose(wrong, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_tree_bits_helpers():
     tree = build_tree("falcon-llama", 2)
     W = tree.num_slots
@@ -244,6 +303,50 @@ def test_tree_mode_compaction_through_the_kernel(monkeypatch):
     loop = [to_flash(c) for c in caches]
     tree_verify.compact_kv([(kv, "flash") for kv in loop], src, dst, kernel=False)
     assert torch.equal(torch.stack([from_flash(kv) for kv in loop]), want) and len(launches) == 2
+
+
+class FlashAttentionImpl:  # tree mode reads the class name (the FLASH_ATTN layout) and the scale
+    scale = 64 ** -0.5
+
+
+@pytest.mark.parametrize("Hq,Hkv,dtype", [(4, 2, torch.float32), (3, 3, torch.float16)])
+def test_drafter_tree_passes_through_the_kernel(monkeypatch, Hq, Hkv, dtype):
+    """vLLM tree mode's drafter passes (DraftTreeAttention) on FLASH_ATTN-layout caches: through the Triton kernel
+    (CUDA's path; forced here) they give what the dense path gives, pass after pass (falcon-llama's three SAR
+    tree passes, three requests with prefixes off block multiples), and never gather the prefix."""
+    pytest.importorskip("vllm")
+    from falcon_vllm.vllm import tree_draft
+
+    tree, D, bs = build_tree("falcon-llama", 2), 64, 16
+    k, B = tree.k, 3
+    g = torch.Generator().manual_seed(7)
+    plens = torch.tensor([37, 5, 64], device=DEV)
+    nblk = [(int(p) + bs - 1) // bs for p in plens]
+    table = torch.zeros(B, max(nblk), dtype=torch.int32)
+    perm = torch.randperm(sum(nblk) + 2, generator=g)
+    for b, c in enumerate(torch.tensor([0] + nblk).cumsum(0)[:-1].tolist()):
+        table[b, :nblk[b]] = perm[c:c + nblk[b]].int()
+    kv = torch.randn(sum(nblk) + 2, Hkv, bs, 2 * D, generator=g).to(dtype).to(DEV)   # vLLM's logical view
+    layer = SimpleNamespace(layer_name="drafter.layers.0.attn")
+    passes = [tree.passes[p].ancestor_blocks for p in range(1, tree.num_passes)]
+    inputs = [tuple(torch.randn(B * c.shape[0] * k, h, D, generator=g).to(dtype).to(DEV) for h in (Hq, Hkv, Hkv))
+              for c in passes]
+    outs = {}
+    for path in ("kernel", "dense"):
+        fn = tree_attention if path == "kernel" else None
+        monkeypatch.setattr(tree_draft, "_draft_kernel", lambda q, layout, fn=fn: fn)
+        att = tree_draft.DraftTreeAttention(table.to(DEV), plens, k)
+        outs[path] = []
+        for chain, (q, kk, vv) in zip(passes, inputs):
+            att.begin_pass(chain)
+            out = torch.zeros(q.shape[0], Hq * D, dtype=dtype, device=DEV)
+            att.attend(FlashAttentionImpl(), layer, q, kk, vv, kv, None, out)
+            outs[path].append(out)
+        assert (att._prefix == {}) == (path == "kernel")               # the kernel reads the prefix in place
+    assert len(passes) == 3
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(outs["kernel"], outs["dense"]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

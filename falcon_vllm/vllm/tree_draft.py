@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from falcon_vllm.kernels.tree_attention import causal_tree_bits, pack_tree_mask
+from falcon_vllm.kernels.tree_attention import causal_tree_bits, pack_mask_rows, pack_tree_mask
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm.paged_kv import dense_attention, kv_layout, paged_kv
 
@@ -97,15 +97,31 @@ class TreeState:
                     self.accepted_per_depth[d] += 1
 
 
+def _draft_kernel(q: torch.Tensor, layout: str):
+    """The attention function of the drafter's tree passes: on CUDA (FLASH_ATTN caches) the Triton tree-attention
+    kernel, which reads the paged prefix in place; None elsewhere (the dense path)."""
+    if q.is_cuda and layout == "flash":
+        try:
+            from falcon_vllm.kernels.tree_attention import tree_attention
+            return tree_attention
+        except ImportError:  # triton missing: the dense path is still exact
+            pass
+    return None
+
+
 class DraftTreeAttention:
     """The drafter's SAR tree passes of one step, batched: one attention call per layer and pass.
 
     Block j of request r in pass t sees the drafter's paged prefix of r (``prefix_lens[r]``
     positions), the K/V of its ancestor blocks from the earlier tree passes of this step (kept
-    here, never written to the paged cache), and its own k tokens (non-causal).  Every request's
-    prefix is gathered once per layer and step into a padded [B, P_max] tensor; the keys of a pass
-    are [prefix | all blocks of the earlier passes | this pass's blocks] with one boolean mask
-    (prefix length per request, ancestor blocks and own block per query row) shared by all layers.
+    here, never written to the paged cache), and its own k tokens (non-causal).  The in-flight keys
+    of a pass are [all blocks of the earlier passes | this pass's blocks], seen through one mask per
+    query row (ancestor blocks and own block) shared by all requests and layers.
+
+    On CUDA the Triton tree-attention kernel reads the prefix through the block table and the
+    in-flight keys apart from the queries (``kv_start_loc``, ``group=k``): no copy of the prefix.
+    Elsewhere (CPU) every request's prefix is gathered once per layer and step into a padded
+    [B, P_max] tensor and one masked SDPA per layer and pass attends to [prefix | in-flight keys].
     """
 
     def __init__(self, block_table: torch.Tensor, prefix_lens: torch.Tensor, k: int,
@@ -119,10 +135,11 @@ class DraftTreeAttention:
         self.P = max(int(max_prefix), 1)
         self.store: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.nb = 0
-        self.mask: torch.Tensor | None = None   # [B, nb * k, P + keys of earlier passes + nb * k]
+        self.own: torch.Tensor | None = None    # [nb * k, keys of earlier passes + nb * k] bool, this pass
+        self._mask: torch.Tensor | None = None  # dense path: [B, nb * k, P + in-flight keys]
+        self._bits = None                       # kernel path: (tree bits, query and key start locs)
         self._sizes: list[int] = []             # blocks of each pass begun so far
         self._prefix: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pmask = (torch.arange(self.P, device=prefix_lens.device)[None] < prefix_lens[:, None])[:, None]
 
     def begin_pass(self, chain: torch.Tensor) -> None:
         """chain [nb, passes so far]: the ancestor block of each block in every earlier pass."""
@@ -143,9 +160,29 @@ class DraftTreeAttention:
             cols = int(offs[s]) + ch[blk, s][:, None] * k + torch.arange(k)[None]
             own[rows[:, None], cols] = True
         own[rows[:, None], hist + blk[:, None] * k + torch.arange(k)[None]] = True   # own block, non-causal
-        dev = self.prefix_lens.device
-        self.mask = torch.cat([self._pmask.expand(self.B, nb * k, self.P),
-                               own.to(dev)[None].expand(self.B, -1, -1)], dim=2)
+        self.own = own
+        self._mask = self._bits = None          # built by the first layer of the pass, for its path
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The dense path's mask of this pass: [B, nb * k, P + in-flight keys] (prefix length per request)."""
+        if self._mask is None:
+            dev = self.prefix_lens.device
+            nq = self.own.shape[0]
+            pmask = torch.arange(self.P, device=dev)[None, None] < self.prefix_lens[:, None, None]
+            self._mask = torch.cat([pmask.expand(self.B, nq, self.P),
+                                    self.own.to(dev)[None].expand(self.B, -1, -1)], dim=2)
+        return self._mask
+
+    def _kernel_args(self):
+        """The kernel path's tree bits [B * nb * k, words] and query / key start locations [B+1] of this pass."""
+        if self._bits is None:
+            dev = self.prefix_lens.device
+            nq, nk = self.own.shape
+            r = torch.arange(self.B + 1, dtype=torch.int32)
+            self._bits = (pack_mask_rows(self.own).repeat(self.B, 1).to(dev), (r * nq).to(dev), (r * nk).to(dev),
+                          self.prefix_lens.to(torch.int32))
+        return self._bits
 
     def _padded_prefix(self, name, kc, vc):
         if name not in self._prefix:
@@ -171,12 +208,21 @@ class DraftTreeAttention:
         own_k = key[:n].reshape(B, nb * k, hkv, D)
         own_v = value[:n].reshape(B, nb * k, hkv, D)
         hist = self.store.setdefault(name, [])
-        kc, vc = paged_kv(kv_cache, kv_layout(impl, layer))
-        pk, pv = self._padded_prefix(name, kc, vc)
-        keys = torch.cat([pk] + [h[0] for h in hist] + [own_k], dim=1)
-        vals = torch.cat([pv] + [h[1] for h in hist] + [own_v], dim=1)
-        o = dense_attention(q[:n].reshape(B, nb * k, H, D), keys, vals, self.mask, impl.scale)
+        layout = kv_layout(impl, layer)
+        kc, vc = paged_kv(kv_cache, layout)
         out = output.view(-1, H, D)
+        fn = _draft_kernel(q, layout)
+        if fn is not None:
+            bits, qsl, ksl, plens = self._kernel_args()
+            keys = torch.cat([h[0] for h in hist] + [own_k], dim=1).reshape(-1, hkv, D)
+            vals = torch.cat([h[1] for h in hist] + [own_v], dim=1).reshape(-1, hkv, D)
+            o = fn(q[:n], keys, vals, kc, vc, self.block_table, plens, qsl, bits, impl.scale,
+                   max_query_len=nb * k, max_prefix_len=self.P, kv_start_loc=ksl, group=k)
+        else:
+            pk, pv = self._padded_prefix(name, kc, vc)
+            keys = torch.cat([pk] + [h[0] for h in hist] + [own_k], dim=1)
+            vals = torch.cat([pv] + [h[1] for h in hist] + [own_v], dim=1)
+            o = dense_attention(q[:n].reshape(B, nb * k, H, D), keys, vals, self.mask, impl.scale)
         out[:n] = o.reshape(n, H, D).to(out.dtype)
         hist.append((own_k.clone(), own_v.clone()))
         return output
