@@ -271,6 +271,15 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None,
     return probs.reshape(shape)
 
 
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] drawn from it: the exponential race argmax(p / E), E ~ Exp(1) i.i.d.
+    (E_i / p_i ~ Exp(p_i), and the least of independent exponentials is i with probability p_i / sum p), as
+    vLLM's sampler draws.  Unlike ``torch.multinomial`` (whose validity checks read the host twice a call on
+    CUDA) it never synchronises.  Zero-probability tokens are never drawn (E is kept above 0)."""
+    e = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / e).argmax(-1)
+
+
 # ---------------------------------------------------------------------- greedy
 def _greedy_last(tab: _Tables, node_tokens: torch.Tensor, target_logits: torch.Tensor | None,
                  argmax: torch.Tensor | None = None):
@@ -323,7 +332,7 @@ def greedy_verify_argmax(tree: DecodingTree, node_tokens: torch.Tensor, target_a
 # ---------------------------------------------------------------------- sampling
 def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: torch.Tensor, temperature,
                   top_k=None, top_p=None, draft_probs: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> VerifyResult:
+                  generator: torch.Generator | None = None, slot_rows: torch.Tensor | None = None) -> VerifyResult:
     """Exactly lossless tree verification by recursive rejection sampling over siblings.
 
     See the module docstring for the algorithm (SpecInfer / EAGLE multi-draft verification; Jeon
@@ -332,7 +341,9 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
     Args:
         tree: the decoding tree.
         node_tokens: [B, N] int64.
-        target_logits: [B, 1 + N, V].
+        target_logits: [B, 1 + N, V]; or, with ``slot_rows``, a flat [T, V] logits tensor of which
+            request b's slot s is row ``slot_rows[b, s]`` (a serving step's logits: each depth of the
+            walk reads the B rows it needs, nothing else is copied).
         temperature, top_k, top_p: scalars or [B] per-request values, applied to the target logits
             by :func:`probs_from_logits`.  Requests with temperature <= 0 are verified greedily
             (identical to :func:`greedy_verify` for them).
@@ -342,36 +353,51 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
             It must be the distribution actually sampled from (after the drafter's own
             temperature/top-k/top-p), otherwise the output is not lossless.
         generator: torch.Generator on the logits' device, for reproducible draws.
+        slot_rows: [B, 1 + N] int64, see ``target_logits``.
 
     Returns:
         :class:`VerifyResult`.  The walk is vectorised over the batch; it loops over depths (and,
         for sampled drafts, over sibling ranks) with one host read for the sampling parameters
-        (:func:`prepare_sampling`) and one per depth to stop early.
+        (:func:`prepare_sampling`) and one per depth to stop early; its draws (:func:`sample_tokens`)
+        read nothing.
     """
-    _check_shapes(tree, node_tokens, target_logits)
     dev = target_logits.device
-    B, S, V = target_logits.shape
+    if slot_rows is None:
+        _check_shapes(tree, node_tokens, target_logits)
+        B, S, V = target_logits.shape
+    else:
+        B, S, V = slot_rows.shape[0], tree.num_slots, target_logits.shape[-1]
+        if target_logits.dim() != 2 or tuple(slot_rows.shape) != (B, S) or tuple(node_tokens.shape) != (B, S - 1):
+            raise ValueError(f"falcon-vllm: sample_verify: flat logits [T, V], slot_rows [B, 1+N={S}] and node_tokens "
+                             f"[B, N] expected, got {list(target_logits.shape)}, {list(slot_rows.shape)}, "
+                             f"{list(node_tokens.shape)}")
     tab = _tables(tree, dev)
     node_tokens = node_tokens.to(dev)
     sp = prepare_sampling(temperature, top_k, top_p, B, V, dev)   # the walk's one host read before the loop
     greedy = sp.greedy
+
+    def argmax_last():  # greedy rows: their last accepted slot and bonus
+        if slot_rows is None:
+            return _greedy_last(tab, node_tokens, target_logits)
+        return _greedy_last(tab, node_tokens, None, target_logits.argmax(-1)[slot_rows])
+
     if sp.all_greedy:
-        return greedy_verify(tree, node_tokens, target_logits)
-    if draft_probs is not None and draft_probs.shape != target_logits.shape:
-        raise ValueError(f"falcon-vllm: draft_probs must be [B, 1+N, V] = {list(target_logits.shape)}, "
-                         f"got {list(draft_probs.shape)}")
+        return _result(tab, *argmax_last())
+    if draft_probs is not None and draft_probs.shape != (B, S, V):
+        raise ValueError(f"falcon-vllm: draft_probs must be [B, 1+N, V] = {[B, S, V]}, got {list(draft_probs.shape)}")
 
     rows = torch.arange(B, device=dev)
     u = torch.zeros(B, dtype=torch.long, device=dev)           # current slot
     active = torch.ones(B, dtype=torch.bool, device=dev)       # still walking
     bonus = torch.zeros(B, dtype=torch.long, device=dev)
     for d in range(tab.max_depth + 1):
-        p = probs_from_logits(target_logits[rows, u], None, sampling=sp)      # [B, V]
+        at = target_logits[rows, u] if slot_rows is None else target_logits[slot_rows[rows, u]]
+        p = probs_from_logits(at, None, sampling=sp)                          # [B, V]
         ch = tab.children[u]                                                  # [B, Cmax]
         ch_tok = node_tokens.gather(1, (ch - 1).clamp_min(0))                 # [B, Cmax]
         if draft_probs is None:
             # point-mass proposals: sequential acceptance == draw x ~ p, take the first child equal to x
-            x = torch.multinomial(p, 1, generator=generator).squeeze(1)
+            x = sample_tokens(p, generator)
             match = (ch >= 0) & (ch_tok == x[:, None])
             found = match.any(1)
             nxt = ch.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1)
@@ -396,7 +422,7 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
                 p = torch.where(rej & (rmass > 0), resid / rmass.clamp_min(torch.finfo(p.dtype).tiny), p)
                 q_next = q.scatter(1, t[:, None], 0.0)
                 q = torch.where(rej, q_next / q_next.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q)
-            x = torch.multinomial(p, 1, generator=generator).squeeze(1)
+            x = sample_tokens(p, generator)
         stop = active & ~found
         bonus = torch.where(stop, x, bonus)
         u = torch.where(active & found, nxt, u)
@@ -404,7 +430,7 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
         if not bool(active.any()):
             break
     if sp.any_greedy:
-        g_last, g_bonus = _greedy_last(tab, node_tokens, target_logits)
+        g_last, g_bonus = argmax_last()
         u = torch.where(greedy, g_last, u)
         bonus = torch.where(greedy, g_bonus, bonus)
     return _result(tab, u, bonus)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from falcon_vllm.tree import DecodingTree, build_tree
-from falcon_vllm.verify import (VerifyResult, greedy_verify, output_token_lists, probs_from_logits,
+from falcon_vllm.verify import (VerifyResult, greedy_verify, output_token_lists, probs_from_logits, sample_tokens,
                                 sample_verify)
 
 
@@ -240,8 +240,9 @@ def test_sample_reproducible_with_generator():
 
 
 class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the tensor-to-host reads (bool(), int(), .item(), .tolist(), ...): each is a device sync on GPU."""
-    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy"}
+    """Counts the tensor-to-host reads (bool(), int(), .item(), .tolist(), ...): each is a device sync on GPU, as is
+    ``torch.multinomial`` (its validity checks read the host twice on CUDA)."""
+    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy", "multinomial"}
 
     def __init__(self):
         super().__init__()
@@ -269,6 +270,44 @@ def test_sample_walk_reads_the_host_once_per_depth(top_k, top_p):
     depth = int(tree.depth.max())
     assert all(len(a) == depth for a in r.accepted_slots)
     assert reads.n <= depth + 1 + 4, reads.n
+
+
+def test_sample_tokens_draws_from_the_distribution():
+    """The exponential race draws each row's token with its probability (chi-square over 40,000 draws of four
+    rows, among them a one-hot and one with zeros), never a zero-probability token, reproducibly per generator."""
+    p = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.0, 1.0, 0.0, 0.0], [0.7, 0.0, 0.3, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    n = 10000
+    g = torch.Generator().manual_seed(5)
+    draws = torch.stack([sample_tokens(p, g) for _ in range(n)])                   # [n, 4]
+    counts = torch.nn.functional.one_hot(draws, 4).sum(0).double()                 # [4 rows, 4 tokens]
+    assert counts[p == 0].sum() == 0
+    live = p > 0
+    chi2 = ((counts - n * p.double()) ** 2 / (n * p.double())).where(live, torch.zeros(())).sum()
+    dof = int(live.sum()) - 4
+    assert chi2 < 27.9, (chi2, dof)                    # 7 degrees of freedom: exceeded with probability < 0.001
+    again = torch.stack([sample_tokens(p, torch.Generator().manual_seed(5)) for _ in range(2)])
+    assert torch.equal(again[0], again[1])
+
+
+def test_sample_walk_reads_flat_logits_in_place():
+    """sample_verify over a serving step's flat logits (slot_rows) equals it over the gathered [B, 1+N, V] rows,
+    draw for draw, with greedy rows in the batch; malformed shapes are refused."""
+    tree = build_tree("falcon-llama", 2)
+    g = torch.Generator().manual_seed(3)
+    B, V, S = 5, 50, tree.num_slots
+    flat = torch.randn(B * S + 7, V, generator=g)
+    slot_rows = torch.randperm(B * S + 7, generator=g)[: B * S].view(B, S)
+    am = flat.argmax(-1)
+    nodes = torch.where(torch.rand(B, S - 1, generator=g) < 0.8, am[slot_rows[:, tree.parent[1:]]],
+                        torch.randint(0, V, (B, S - 1), generator=g))
+    t = torch.tensor([0.9, 0.0, 1.3, 0.7, 0.0])
+    a = sample_verify(tree, nodes, flat[slot_rows], t, top_p=0.95, generator=torch.Generator().manual_seed(9))
+    b = sample_verify(tree, nodes, flat, t, top_p=0.95, generator=torch.Generator().manual_seed(9),
+                      slot_rows=slot_rows)
+    assert a.accepted_slots == b.accepted_slots and torch.equal(a.bonus_tokens, b.bonus_tokens)
+    assert max(len(x) for x in a.accepted_slots) >= 2
+    with pytest.raises(ValueError, match="slot_rows"):
+        sample_verify(tree, nodes, flat, t, slot_rows=slot_rows[:, :-1])
 
 
 # ---------------------------------------------------------------------- statistical losslessness

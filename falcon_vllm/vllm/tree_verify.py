@@ -38,7 +38,7 @@ import torch
 
 from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_bits
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_verify
+from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_tokens, sample_verify
 from falcon_vllm.vllm import patches
 from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, tree_attention_scope
 from falcon_vllm.vllm.tree_draft import TreeState
@@ -339,7 +339,8 @@ def _plain_requests(runner, widths) -> list[int]:
 
 # fp32 logits a sampling chunk copies at most (64 MiB; top-k/top-p processing adds a few buffers of the same
 # size): the tree sampler's memory stays bounded whatever the batch, tree and vocabulary, so vLLM's
-# profiling run (which never sees a tree step) does not have to reserve it.
+# profiling run (which never sees a tree step) does not have to reserve it.  A chunk's walk reads one row per
+# request and depth, so a chunk holds SAMPLER_MAX_ELEMS // V requests (128 at a 128k vocabulary).
 SAMPLER_MAX_ELEMS = 1 << 24
 
 
@@ -350,8 +351,9 @@ def verify_requests(tree: DecodingTree | None, nodes, logits: torch.Tensor, star
     [T, V] (``tree`` None: w = 0, plain sampling of one token).  Returns (tokens [G, 1 + w] int64, -1
     padded; accepted slots per request).
 
-    Greedy (``temperature`` None) reads only ``argmax`` [T] (computed once per step).  Sampling copies
-    the rows in chunks of requests holding at most ``max_elems`` fp32 logits.
+    Greedy (``temperature`` None) reads only ``argmax`` [T] (computed once per step).  Sampling walks
+    chunks of requests whose rows of one depth hold at most ``max_elems`` fp32 logits (the walk reads the
+    rows it needs from ``logits`` in place: ``sample_verify(slot_rows=...)``).
     """
     G, dev = starts.shape[0], logits.device
     w = 0 if tree is None else tree.num_nodes
@@ -364,19 +366,18 @@ def verify_requests(tree: DecodingTree | None, nodes, logits: torch.Tensor, star
         return res.output_token_ids(nodes, width=w + 1).to(dev), res.accepted_slots
     V = logits.shape[-1]
     budget = SAMPLER_MAX_ELEMS if max_elems is None else max_elems
-    chunk = max(1, budget // ((w + 1) * V))
+    chunk = max(1, budget // V)
     toks, accepted = [], []
     for c in range(0, G, chunk):
         sl = slice(c, c + chunk)
         pick = lambda x: None if x is None else x[sl]  # noqa: E731
-        lg = logits[rows[sl]].float()                                             # [g, 1+w, V]
         t, tk, tp = pick(temperature), pick(top_k), pick(top_p)
         if tree is None:
-            p = probs_from_logits(lg[:, 0], t, tk, tp)
-            toks.append(torch.multinomial(p, 1, generator=generator))
-            accepted += [[] for _ in range(lg.shape[0])]
+            p = probs_from_logits(logits[rows[sl, 0]], t, tk, tp)
+            toks.append(sample_tokens(p, generator)[:, None])
+            accepted += [[] for _ in range(p.shape[0])]
             continue
-        res = sample_verify(tree, nodes[sl], lg, t, tk, tp, generator=generator)
+        res = sample_verify(tree, nodes[sl], logits, t, tk, tp, generator=generator, slot_rows=rows[sl])
         toks.append(res.output_token_ids(nodes[sl], width=w + 1).to(dev))
         accepted += res.accepted_slots
     return torch.cat(toks), accepted
