@@ -73,14 +73,13 @@ def run(args) -> list[dict]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 
     model = args.model or str(model_path())
     tok = AutoTokenizer.from_pretrained(model)
 
     def chat(messages):
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return {"prompt_token_ids": [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]}
+        return {"prompt_token_ids": chat_ids(tok, messages, add_generation_prompt=True)}
 
     questions = load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes))
     last = args.turn or min(len(q["turns"]) for q in questions)  # --turn 0: every turn of the conversation

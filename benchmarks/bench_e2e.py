@@ -167,15 +167,14 @@ def metrics_from_counters(before: dict, after: dict, generated: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ prompts
 def chat_prompt(tok, turns: list[str], answers: list[str]) -> list[int]:
+    from falcon_vllm.models import chat_ids
+
     msgs = []
     for i, t in enumerate(turns):
         msgs.append({"role": "user", "content": t})
         if i < len(answers):
             msgs.append({"role": "assistant", "content": answers[i]})
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(x) for x in ids]
+    return chat_ids(tok, msgs, add_generation_prompt=True)
 
 
 def run_conversations(generate, tok, questions: list[dict], batch_size: int):

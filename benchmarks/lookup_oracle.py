@@ -42,7 +42,7 @@ def record(args) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
     from falcon_vllm.vllm.lookup import LookupState
 
     steps: list = []
@@ -69,9 +69,7 @@ def record(args) -> dict:
     for ds in args.datasets:
         runs = []
         for q in load_chat_prompts(ds, args.prompts):
-            ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                          tokenize=True)
-            ids = [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+            ids = chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
             steps.clear()
             o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
             runs.append({"seq": ids + list(o.outputs[0].token_ids), "steps": list(steps)})

@@ -113,15 +113,13 @@ def run_worker(args) -> list[dict]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 
     model = args.model or str(model_path())
     tok = AutoTokenizer.from_pretrained(model)
     prompts = []
     for q in load_chat_prompts("mt-bench", max(args.batch_sizes)):
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                      tokenize=True)
-        prompts.append([int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+        prompts.append(chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
     rows = []
     for cfg in args.configs:
         llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,

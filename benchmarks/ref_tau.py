@@ -31,7 +31,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from falcon_vllm.drafter import FalconDrafter
-    from falcon_vllm.models import load_chat_prompts, model_path
+    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
     from falcon_vllm.reference import FalconReferenceEngine
     from falcon_vllm.testing import hf_greedy
 
@@ -40,8 +40,7 @@ def main(argv=None):
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = []
     for q in load_chat_prompts("mt-bench", a.num_prompts):
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompts.append(chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
     refs = [hf_greedy(target, pr, a.max_new_tokens) for pr in tqdm(prompts, desc="hf greedy")]
     rows = []
     for spec in a.drafter:

@@ -130,7 +130,7 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Fals
     """Token ids of ``messages`` rendered by the tokenizer's chat template (transformers returns a list or,
     in newer versions, an encoding holding ``input_ids``)."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 
 def load_chat_prompts(dataset: str, n: int | None = None) -> list[dict]:

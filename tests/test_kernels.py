@@ -150,7 +150,7 @@ def _sar_case(passes, k, Hq, Hkv, D, dtype, prefix_lens, seed):
     a random subset of the earlier keys and its whole own block of k rows.  Returns the kernel's arguments
     (kv_start_loc last) and the same problem with every in-flight key also a query row (square masks)."""
     g = torch.Generator().manual_seed(seed)
-    q, k_, v, bits, full_q, full_bits, qsl, ksl, fqsl = [], [], [], [], [], [], [0], [0], [0]
+    q, k_, v, bits, full_q, full_bits, qsl, ksl = [], [], [], [], [], [], [0], [0]
     for hist_blocks, nb in passes:
         nh, nq = hist_blocks * k, nb * k
         own = torch.rand(nq, nh, generator=g) < 0.5

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from falcon_vllm.drafter import FalconDrafter
-from falcon_vllm.models import load_chat_prompts, model_path
+from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 from falcon_vllm.reference import FalconReferenceEngine
 from falcon_vllm.testing import hf_greedy, random_drafter
 
@@ -20,9 +20,8 @@ def smollm():
     path = model_path()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
+    prompts = [chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
                for q in load_chat_prompts("mt-bench", 3)]
-    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     return model, prompts
 
 

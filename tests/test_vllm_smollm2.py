@@ -11,7 +11,7 @@ import pytest
 
 from tests.vllm_util import drafter_of, make_llm, model_path, shutdown_llm, spec_counters
 
-from falcon_vllm.models import load_chat_prompts
+from falcon_vllm.models import chat_ids, load_chat_prompts
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "falcon_vllm", "drafters", "smollm2-135m-instruct")
 N = 32
@@ -30,8 +30,7 @@ def prompts():
     tok = AutoTokenizer.from_pretrained(model_path())
     out = []
     for q in load_chat_prompts("mt-bench", 4):
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        out.append(chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
     assert len({len(p) for p in out}) > 1  # mixed prompt lengths
     return out
 
