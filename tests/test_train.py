@@ -322,7 +322,8 @@ def test_gen_data_featurizes_the_data_replies(tmp_path, target, monkeypatch):
     kw = dict(model=target, tokenizer=tok, data=str(tmp_path / "sg.json"), backend="hf", shard_size=2)
     out = gen_data.run("tiny", str(tmp_path / "d"), 3, 8, replies="data", **kw)
     got = load_shards(str(out))
-    assert json.loads((out / "manifest.json").read_text())["generation"] == "the data's own replies"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["generation"] == "the data's own replies" and manifest["backend"] is None
     for i, (s, r) in enumerate(zip(got, replies)):
         prompt = tok.apply_chat_template([{"role": "user", "content": f"q{i}"}], add_generation_prompt=True)
         ans = ([5 + ord(c) % 50 for c in r] + [4])[:8] if r else []

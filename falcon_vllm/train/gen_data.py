@@ -435,7 +435,8 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
     manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "backend": backend, "skip_conversations": skip_conversations,
+                "max_prompt_tokens": max_prompt_tokens, "skip_conversations": skip_conversations,
+                "backend": backend if replies == "target" else None,   # the data's replies: nothing generated
                 "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
                 "dtype": "bfloat16", "shards": [],
                 "generation": GENERATION[replies]}
