@@ -17,7 +17,8 @@ own functions (``falcon_vllm.vllm.tree_verify`` / ``tree_draft`` / ``paged_kv``)
   mask, the others causally), through ``_attn_fn`` (CUDA: the Triton kernel), every layer;
 * ``attn-rows``: the same with a prefill chunk in the batch (only tree rows recomputed, others untouched);
 * ``draft``: ``DraftTreeAttention`` over every SAR tree pass of the tree (paged prefix + ancestor blocks),
-  through ``_draft_kernel`` (CUDA: the Triton kernel, queries apart from their in-flight keys; CPU: dense);
+  through ``_draft_kernel`` (CUDA: the Triton kernel, queries apart from their in-flight keys, and the dense
+  path beside it for its time and memory; CPU: the dense path, and the kernel interpreted);
 * ``compact-kernel`` / ``compact-copies``: ``compact_kv`` (one ``kv_compaction`` launch / ``copy_kv_slots``);
 * ``sampler-*``: ``tree_sample`` (greedy; top-k 1 in single-request chunks, which must equal greedy;
   temperature + top-p, checked structurally) and the compaction it runs on the caches, input ids,
@@ -625,11 +626,16 @@ def check_target_attention(ck: Checker, st: Step, whole: bool, paths):
 
 def check_draft(ck: Checker, st: Step, paths):
     """The drafter's tree passes through each of ``paths`` (as for the target attention): None is the plugin's own
-    choice (``_draft_kernel``: the Triton kernel for CUDA tensors, else the dense path)."""
+    choice (``_draft_kernel``: the Triton kernel for CUDA tensors, else the dense path); on CUDA also the dense
+    path, for its time and memory beside the kernel's."""
     from falcon_vllm.vllm import tree_draft
 
+    if st.dev.type == "cuda":
+        paths = list(paths) + [("dense", "dense")]
     for path, fn in paths:
-        if fn is None:
+        if fn == "dense":
+            ctx = patched(tree_draft, _draft_kernel=lambda q, layout: None)
+        elif fn is None:
             picked = tree_draft._draft_kernel(st.q[0], "flash")
             path = "dense" if picked is None else {"tree_attention": "triton"}.get(picked.__name__, picked.__name__)
             ctx = contextlib.nullcontext()
