@@ -7,7 +7,9 @@ vanilla step costs, within 2%?").  Here every configuration's engine lives in th
 timed generations alternate between them (the order rotating every pair), each generation of a
 configuration is divided by the baseline's (the first configuration) generation next to it, and the
 median of those ratios is reported with its spread.  The outputs are checked against the baseline's
-(greedy: token-identical).
+(greedy: token-identical).  With ``--temperature`` above 0 every configuration samples (its outputs differ
+from the baseline's draw by draw; that they follow the same distribution is what the losslessness tests
+show), every generation runs its full --max-new-tokens (EOS ignored), so each pair times equal work.
 
   python benchmarks/ab_step.py --configs vanilla,tree:benchmarks/results/tree_smollm2_v2_tuned.json \\
       --batch-sizes 1,4 --max-new-tokens 32 --pairs 10 --name ab_drafting_off
@@ -116,7 +118,8 @@ def run(args) -> list[dict]:
             h += [{"role": "assistant", "content": a.outputs[0].text}, {"role": "user", "content": q["turns"][t]}]
         turns.append([chat(h) for h in history])
     timed = turns if args.turn == 0 else turns[-1:]  # the turns a generation pair runs, one after another
-    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=not args.stop_at_eos)
+    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        ignore_eos=not args.stop_at_eos)
     rows = []
     for B in args.batch_sizes:
         N = max(args.prompts or B, B)
@@ -148,7 +151,7 @@ def run(args) -> list[dict]:
                 "speedup_total": sum(secs[base]) / sum(secs[c]),  # the whole workload's time ratio
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "steps_per_generation": steps[c] / args.pairs,
-                "identical_to_base": outs[c] == outs[base],
+                "identical_to_base": outs[c] == outs[base] if args.temperature == 0 else None,  # sampled: differ
             })
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
                   file=sys.stderr, flush=True)
@@ -159,7 +162,10 @@ def write(args, rows) -> None:
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
     cmd = "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
-            "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
+            "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_p": args.top_p}
+    decoding = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}" + (
+        f", top-p {args.top_p:g}" if args.top_p < 1 else "")
     with open(out + ".json", "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
@@ -168,7 +174,7 @@ def write(args, rows) -> None:
              f"({args.dataset} prompts"
              f"{f', turn {args.turn} after the baseline answered the earlier turns' if args.turn > 1 else ''}"
              f"{', every turn (a generation: the conversation, later turns after the baseline answers)' if args.turn == 0 else ''}"
-             f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, greedy, "
+             f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, {decoding}, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
              f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
@@ -180,7 +186,8 @@ def write(args, rows) -> None:
         lines.append(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_base']:.3f}x | "
                      f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['speedup_total']:.3f}x | "
                      f"{r['tokens_per_generation']:.1f} | "
-                     f"{r['steps_per_generation']:.1f} | {r['identical_to_base']} |")
+                     f"{r['steps_per_generation']:.1f} | "
+                     f"{'- (sampled)' if r['identical_to_base'] is None else r['identical_to_base']} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}.json and .md")
@@ -200,6 +207,9 @@ def main(argv=None) -> None:
     p.add_argument("--turn", type=int, default=1,
                    help="time this turn of each conversation (MT-Bench has 2), 0: every turn, one after another; "
                         "later turns follow the baseline's greedy answers (up to --max-new-tokens) to earlier ones")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (outputs checked token for token); above 0: sampled, EOS ignored")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature above 0")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE,
@@ -211,6 +221,11 @@ def main(argv=None) -> None:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.turn < 0:
         raise SystemExit("falcon-vllm: --turn takes a turn number (1, 2, ...) or 0 for every turn")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("falcon-vllm: --temperature must be >= 0 and --top-p in (0, 1]")
+    if args.temperature > 0 and args.stop_at_eos:
+        raise SystemExit("falcon-vllm: --stop-at-eos with --temperature: sampled generations would end at different "
+                         "lengths and a pair would not time equal work; leave EOS ignored")
     if len(args.configs) < 2:
         raise SystemExit("falcon-vllm: --configs needs a baseline and at least one configuration to compare")
     write(args, run(args))
