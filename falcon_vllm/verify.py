@@ -379,7 +379,9 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
     def argmax_last():  # greedy rows: their last accepted slot and bonus
         if slot_rows is None:
             return _greedy_last(tab, node_tokens, target_logits)
-        return _greedy_last(tab, node_tokens, None, target_logits.argmax(-1)[slot_rows])
+        # the argmax of this walk's rows only, one slot at a time (B rows copied at once, as a depth reads)
+        am = torch.stack([target_logits[slot_rows[:, s]].argmax(-1) for s in range(S)], 1)
+        return _greedy_last(tab, node_tokens, None, am)
 
     if sp.all_greedy:
         return _result(tab, *argmax_last())
