@@ -22,7 +22,8 @@ import torch
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
                              reference_drafts, runner_of, save_target, seeded, spec_counters)
 
-from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
+from falcon_vllm.testing import (context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama,
+                                 truncate_head)
 
 V = 49152
 SHARP = 1000.0  # LM-head scale of the increment target: P(next = t+1) ~ 0.6 at temperature 1
@@ -46,6 +47,9 @@ def ckpts(tmp_path_factory):
         inc.lm_head.weight.mul_(SHARP)
     save_target(inc, str(base / "inc"))
     exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
+    # its head over a shuffled half of the vocabulary (a d2t map that is neither the identity nor sorted)
+    half = torch.randperm(V, generator=torch.Generator().manual_seed(2))[: V // 2]
+    truncate_head(exact_drafter(inc, k=2), inc, half).save_pretrained(str(base / "exact_k2_half"))
     _official_layout(exact_drafter(inc, k=3), str(base / "exact_k3_official"), inc)
     ctx = context_llama(vocab=V)
     save_target(ctx, str(base / "ctx"))
@@ -55,13 +59,14 @@ def ckpts(tmp_path_factory):
     random_drafter(rnd, k=3, fusion="fc", seed=6, block_order="reversed").save_pretrained(
         str(base / "rnd_fc_k3_rev"))
     random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3).save_pretrained(str(base / "rnd_fc2_k2"))
-    return {"dir": base, "inc": inc, "rnd": rnd, "ctx": ctx}
+    return {"dir": base, "inc": inc, "rnd": rnd, "ctx": ctx, "half": half}
 
 
 def _engine_specs(base) -> dict:
     """name -> (target dir, speculative config, LLM kwargs); drafter names are folders under ``base``."""
     specs = {
         "vanilla_rnd": ("rnd", None, {}),
+        "vanilla_ctx": ("ctx", None, {}),
         "falcon_rnd_k3": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 5}, {}),
         "falcon_rnd_k3_rev": ("rnd", {"model": "rnd_fc_k3_rev", "num_speculative_tokens": 5}, {}),
         "falcon_rnd_fc2": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4}, {}),
@@ -85,6 +90,12 @@ def _engine_specs(base) -> dict:
                                         "lookup_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
         "ctx_lookup": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}, {}),
+        # drafts sampled from the drafter, their distributions verified by vLLM's rejection sampler
+        "ctx_prob": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4,
+                             "draft_sample_method": "probabilistic"}, {}),
+        "ctx_lookup_prob": ("ctx", {"model": "exact_k2_half", "num_speculative_tokens": 4, "falcon_tokens": 2,
+                                    "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                    "draft_sample_method": "probabilistic"}, {}),
     }
     out = {}
     for name, (target, spec, kw) in specs.items():
@@ -469,6 +480,57 @@ def test_broken_acceptance_rule_is_caught(engines, ckpts, monkeypatch):
     monkeypatch.setattr(rs, "generate_uniform_probs", lambda *a, **kw: orig(*a, **kw) * 0.1)
     chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
     assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above
+
+
+def _draft_probs_seen(llm):
+    """Wrap the runner's rejection sampler: a list of the draft_probs shapes it is given (None: point masses)."""
+    sampler = llm.llm_engine.model_executor.driver_worker.worker.model_runner.rejection_sampler
+    seen, orig = [], sampler.forward
+
+    def forward(metadata, draft_probs, *a, **kw):
+        seen.append(None if draft_probs is None else tuple(draft_probs.shape))
+        return orig(metadata, draft_probs, *a, **kw)
+
+    sampler.forward = forward
+    return seen
+
+
+@pytest.mark.parametrize("name", ["ctx_prob", "ctx_lookup_prob"])
+def test_sampled_drafts_are_lossless(engines, ckpts, name):
+    """draft_sample_method "probabilistic": the drafter's tokens are drawn from its distribution at the request's
+    temperature and that distribution goes to vLLM's rejection sampler (with prompt lookup, one-hot rows for the
+    lookup drafts, and a head over half the vocabulary, its probabilities placed at their target ids); at
+    temperature 1 and 0.7 the tokens follow the target's distribution.  Greedy requests stay token-identical to
+    vanilla's."""
+    greedy = [list(range(300, 340)), [5, 9, 5, 9, 5, 9]]
+    want = _greedy(engines.get("vanilla_ctx"), greedy, 16)[0]   # before the engine below (the cache may evict it)
+    llm = engines.get(name)
+    seen = _draft_probs_seen(llm)
+    prop, bad, ok = drafter_of(llm), [], []
+    support = torch.zeros(V, dtype=torch.bool)
+    support[ckpts["half"] if name == "ctx_lookup_prob" else slice(None)] = True
+    orig = prop._draft
+
+    def draft(rows, sm=None, probs=None):  # each pass's distributions: normalised, on the head's target ids only,
+        toks = orig(rows, sm, probs)           # positive at the tokens drawn from them
+        if probs:
+            p, t = probs[-1].cpu(), toks.cpu()
+            (ok if torch.allclose(p.sum(-1), torch.ones(())) and not p[..., ~support].any()
+             and bool((p.gather(-1, t[..., None]) > 0).all()) else bad).append(1)
+        return toks
+
+    prop._draft = draft
+    for temperature in (1.0, 0.7):
+        chi2, counts, expected, c = _sample_chi_square(llm, ckpts, temperature, None, None, repeat=2)
+        assert chi2 < 23.0, (temperature, counts.tolist(), expected.tolist())
+        assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
+    assert ok and not bad, (len(ok), len(bad))
+    probs = [s for s in seen if s is not None]
+    assert probs and all(len(s) == 2 and s[1] == V for s in probs), seen[:5]   # [drafted tokens, V]: probabilities
+    if name == "ctx_lookup_prob":
+        lk = drafter_of(llm).lookup
+        assert lk.lookup_drafts and lk.falcon_drafts
+    assert _greedy(llm, greedy, 16)[0] == want
 
 
 def test_sampling_is_lossless_with_prompt_lookup(engines, ckpts):

@@ -104,6 +104,8 @@ def test_default_tokens_and_chain_tree(dirs):
      "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "falcon", "model": "{good}", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
     ({"method": "falcon", "model": "{good}", "draft_gemm_dtype": "int8"}, "draft_gemm_dtype must be one of"),
+    ({"method": "falcon", "model": "{good}", "tree": "tree-2x2x1", "draft_sample_method": "probabilistic"},
+     "draft_sample_method='probabilistic' runs in chain mode"),
 ])
 def test_bad_configs_give_one_clear_error(dirs, spec, err):
     spec = {k: (v.format(**{d: str(dirs / d) for d in os.listdir(dirs)}) if isinstance(v, str) else v)

@@ -166,7 +166,12 @@ def _propose_draft_token_ids(orig):
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         if K != 0:  # prompt lookup first, the drafter's chain otherwise
             drafter.lookup.plan(self, sampled_token_ids, K)
-            return drafter.lookup.merge(orig(self, scheduler_output, sampled_token_ids, *args, **kwargs))
+            self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
+            chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            if getattr(self, "_draft_probs", None) is None:
+                return drafter.lookup.merge(chain)
+            drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
+            return drafts
         if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):
             next_ids, counts = drafter.prepare_next_token_ids_padded(
                 sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)

@@ -99,15 +99,31 @@ class LookupState:
             out.append(max(1, min(L, k)))
         return out
 
-    def merge(self, falcon: torch.Tensor) -> list[list[int]]:
-        """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K])."""
+    def merge(self, falcon: torch.Tensor, probs: torch.Tensor | None = None):
+        """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K]).
+
+        ``probs``: the chain's draft distributions [B, <=K, V] (draft_sample_method "probabilistic"); then also
+        returns them merged, [B, longest draft, V], a lookup draft's rows one-hot at its tokens (a point-mass
+        proposal, as vLLM verifies drafts that come without probabilities)."""
         rows = falcon.tolist()
-        out = [d if d else rows[i] for i, d in enumerate(self.drafts)]
-        n = sum(1 for d in self.drafts if d)
+        drafts = self.drafts
+        out = [d if d else rows[i] for i, d in enumerate(drafts)]
+        n = sum(1 for d in drafts if d)
         self.lookup_drafts += n
         self.falcon_drafts += len(out) - n
         self.drafts = None
-        return out
+        if probs is None:
+            return out
+        if n:
+            width = max(len(d) for d in out)
+            merged = probs.new_zeros(probs.shape[0], width, probs.shape[2])
+            merged[:, :probs.shape[1]] = probs
+            for i, d in enumerate(drafts):
+                if d:
+                    merged[i] = 0.0
+                    merged[i, torch.arange(len(d)), torch.tensor(d, dtype=torch.long, device=probs.device)] = 1.0
+            probs = merged
+        return out, probs
 
     @property
     def all_matched(self) -> bool:

@@ -44,7 +44,6 @@ FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "draft_gemm
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
-    ("draft_sample_method", ("greedy", None), "Falcon drafts greedily (verification stays lossless)"),
     ("use_heterogeneous_vocab", (False, None), "the drafter shares the target's vocabulary"),
 )
 # chain mode verifies with vLLM's rejection sampler, which caps a step at 128 speculative tokens;
@@ -201,6 +200,10 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if lookup is not None and tree_mode:
         raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
                          "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
+    if tree_mode and sc.get("draft_sample_method") not in (None, "greedy"):
+        raise ValueError(f"falcon-vllm: draft_sample_method={sc['draft_sample_method']!r} runs in chain mode (vLLM's "
+                         "rejection sampler reads the drafts' probabilities); tree mode drafts each node greedily. "
+                         "Give a chain (num_speculative_tokens) or drop draft_sample_method")
     info = {} if gemm is None else {"draft_gemm_dtype": gemm}
     if tree_mode:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)

@@ -183,14 +183,19 @@ class FalconProposer(EagleProposer):
             rows = self._block_pass(cad, ids, feats, positions, writes=known, extra_len=0)  # [B, k, H]
         if self.tree is not None:
             return self._draft_tree(cad, rows, positions, K)
-        drafted = [self._argmax(rows)]
+        # draft_sample_method "probabilistic": tokens sampled from the drafter at each request's temperature, their
+        # distributions handed to vLLM's rejection sampler (take_last_draft_probs); else the drafter's argmax
+        probs = [] if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy else None
+        drafted = [self._draft(rows, sampling_metadata, probs)]
         # passes 2..: one k-token block per request on top of the previous one
         next_pos = positions[:, -1:] + 1 + torch.arange(k, device=positions.device)[None]  # [B, k]
         for q in range(1, math.ceil(K / k)):
             rows = self._block_pass(cad, drafted[-1], rows, next_pos + k * (q - 1), writes=None, extra_len=q * k)
-            drafted.append(self._argmax(rows))
+            drafted.append(self._draft(rows, sampling_metadata, probs))
         if self.steps == 1:
             logger.info("falcon-vllm: drafted K=%d tokens in %d drafter passes (k=%d)", K, len(drafted), k)
+        if probs is not None:
+            self._last_draft_probs = torch.cat(probs, dim=1)[:, :K].contiguous()
         return torch.cat(drafted, dim=1)[:, :K].to(torch.int64)
 
     # ------------------------------------------------------------------ tree mode
@@ -363,9 +368,25 @@ class FalconProposer(EagleProposer):
 
     def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [B, k, H] -> greedy draft tokens [B, k] (target ids; the drafter's LM head)."""
+        return self._draft(rows)
+
+    def _draft(self, rows: torch.Tensor, sampling_metadata=None, probs: list | None = None) -> torch.Tensor:
+        """rows [B, k, H] -> draft tokens [B, k] (target ids).  ``probs`` None: the drafter's argmax.  Else tokens
+        sampled from the drafter at each request's temperature (vLLM's draft sampling: greedy requests keep the
+        argmax), and their distributions over the target's vocabulary, [B, k, V], appended to ``probs``."""
         B, k, H = rows.shape
-        ids = self.model.compute_logits(rows.reshape(B * k, H)).argmax(-1)
-        return unwrap_model(self.model).to_target_ids(ids).view(B, k)
+        head = unwrap_model(self.model)
+        logits = self.model.compute_logits(rows.reshape(B * k, H))
+        if probs is None:
+            return head.to_target_ids(logits.argmax(-1)).view(B, k)
+        ids, p = self._sample_from_logits(logits, sampling_metadata)          # per-request temperature, k rows each
+        if head.truncated:  # the draft vocabulary's probabilities at their target ids, zero elsewhere
+            if getattr(self, "_draft_vocab_ids", None) is None:
+                self._draft_vocab_ids = head.to_target_ids(torch.arange(p.shape[-1], device=p.device))
+            full = p.new_zeros(B * k, self.vllm_config.model_config.get_vocab_size())
+            p = full.index_copy_(1, self._draft_vocab_ids, p)
+        probs.append(p.view(B, k, -1))
+        return head.to_target_ids(ids).view(B, k)
 
     def _req_ids(self, B: int) -> list[str | None]:
         batch = getattr(self._runner, "input_batch", None)
