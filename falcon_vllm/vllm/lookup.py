@@ -121,7 +121,7 @@ class LookupState:
             for i, d in enumerate(drafts):
                 if d:
                     merged[i] = 0.0
-                    merged[i, torch.arange(len(d)), torch.tensor(d, dtype=torch.long, device=probs.device)] = 1.0
+                    merged[i, torch.arange(len(d), device=probs.device), torch.tensor(d, device=probs.device)] = 1.0
             probs = merged
         return out, probs
 
