@@ -266,9 +266,9 @@ def _record_merged(lk):
     """Wrap a LookupState instance's merge() to record each step's drafts (batch 1: the request's draft)."""
     log, orig = [], lk.merge
 
-    def merge(falcon):
-        out = orig(falcon)
-        log.append(out[0])
+    def merge(falcon, probs=None):
+        out = orig(falcon, probs)
+        log.append(out[0][0])
         return out
 
     lk.merge = merge

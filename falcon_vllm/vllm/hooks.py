@@ -168,8 +168,6 @@ def _propose_draft_token_ids(orig):
             drafter.lookup.plan(self, sampled_token_ids, K)
             self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-            if getattr(self, "_draft_probs", None) is None:
-                return drafter.lookup.merge(chain)
             drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
             return drafts
         if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):

@@ -99,12 +99,13 @@ class LookupState:
             out.append(max(1, min(L, k)))
         return out
 
-    def merge(self, falcon: torch.Tensor, probs: torch.Tensor | None = None):
+    def merge(self, falcon: torch.Tensor,
+              probs: torch.Tensor | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
         """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K]).
 
-        ``probs``: the chain's draft distributions [B, <=K, V] (draft_sample_method "probabilistic"); then also
-        returns them merged, [B, longest draft, V], a lookup draft's rows one-hot at its tokens (a point-mass
-        proposal, as vLLM verifies drafts that come without probabilities)."""
+        Returns (drafts, probs).  ``probs``: the chain's draft distributions [B, <=K, V] (draft_sample_method
+        "probabilistic"), returned merged, [B, longest draft, V], a lookup draft's rows one-hot at its tokens (a
+        point-mass proposal, as vLLM verifies drafts that come without probabilities); None stays None."""
         rows = falcon.tolist()
         drafts = self.drafts
         out = [d if d else rows[i] for i, d in enumerate(drafts)]
@@ -112,9 +113,7 @@ class LookupState:
         self.lookup_drafts += n
         self.falcon_drafts += len(out) - n
         self.drafts = None
-        if probs is None:
-            return out
-        if n:
+        if probs is not None and n:
             width = max(len(d) for d in out)
             merged = probs.new_zeros(probs.shape[0], width, probs.shape[2])
             merged[:, :probs.shape[1]] = probs

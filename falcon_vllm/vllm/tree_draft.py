@@ -97,16 +97,22 @@ class TreeState:
                     self.accepted_per_depth[d] += 1
 
 
-def _draft_kernel(q: torch.Tensor, layout: str):
-    """The attention function of the drafter's tree passes: on CUDA (FLASH_ATTN caches) the Triton tree-attention
-    kernel, which reads the paged prefix in place; None elsewhere (the dense path)."""
-    if q.is_cuda and layout == "flash":
+def cuda_tree_kernel(q: torch.Tensor):
+    """The Triton tree-attention kernel for CUDA tensors; None on other devices or without triton (the torch
+    paths are still exact).  Target attention (``tree_verify._attn_fn``) and the drafter's passes pick with it."""
+    if q.is_cuda:
         try:
             from falcon_vllm.kernels.tree_attention import tree_attention
             return tree_attention
-        except ImportError:  # triton missing: the dense path is still exact
+        except ImportError:
             pass
     return None
+
+
+def _draft_kernel(q: torch.Tensor, layout: str):
+    """The attention function of the drafter's tree passes: on CUDA (FLASH_ATTN caches) the Triton tree-attention
+    kernel, which reads the paged prefix in place; None elsewhere (the dense path)."""
+    return cuda_tree_kernel(q) if layout == "flash" else None
 
 
 class DraftTreeAttention:

@@ -41,7 +41,7 @@ from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_tokens, sample_verify
 from falcon_vllm.vllm import patches
 from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, tree_attention_scope
-from falcon_vllm.vllm.tree_draft import TreeState
+from falcon_vllm.vllm.tree_draft import TreeState, cuda_tree_kernel
 
 
 # ---------------------------------------------------------------------------- start-up
@@ -99,13 +99,7 @@ def check_startup(vllm_config, kv_cache_config, draft_layer_names) -> None:
 
 # ---------------------------------------------------------------------------- target attention
 def _attn_fn(q: torch.Tensor):
-    if q.is_cuda:
-        try:
-            from falcon_vllm.kernels.tree_attention import tree_attention
-            return tree_attention
-        except ImportError:  # triton missing: the torch path is still exact
-            pass
-    return tree_attention_ref
+    return cuda_tree_kernel(q) or tree_attention_ref
 
 
 # ---------------------------------------------------------------------------- attention contexts
