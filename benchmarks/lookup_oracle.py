@@ -54,9 +54,9 @@ def record(args) -> dict:
         new = (sampled.cpu().numpy()[0] >= 0).sum() if hasattr(sampled, "cpu") else 0
         self._noted = int(b.num_tokens_no_spec[0] + new)
 
-    def merge_and_note(self, falcon):
+    def merge_and_note(self, falcon, probs=None):
         steps.append((self._noted, list(self.drafts[0]), falcon.tolist()[0]))
-        return merge(self, falcon)
+        return merge(self, falcon, probs)
 
     LookupState.plan, LookupState.merge = plan_and_note, merge_and_note
     LookupState.all_matched = property(lambda self: False)  # the chain at every step
