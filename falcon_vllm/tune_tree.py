@@ -204,14 +204,16 @@ LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens", "looku
 class TreeFile:
     """A JSON file written by ``falcon-vllm tune-tree`` (``main`` below), or a drafter's ``serving.json``,
     which holds either such a file or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
-    ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size) and the
-    prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``)."""
+    ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size), vLLM's
+    ``"draft_sample_method"`` and the prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``,
+    ``falcon_tokens``, ``lookup_tokens``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
     num_speculative_tokens: int | None     # serving.json's chain form
     chain_schedule: list | None = None     # serving.json's chain form: K per batch-size range
     lookup: dict = field(default_factory=dict)  # serving.json's chain form: its prompt-lookup keys, as given
+    draft_sample_method: str | None = None  # serving.json's chain form: how the chain's drafts are drawn
 
 
 def read_tree_file(path: str) -> TreeFile:
@@ -230,7 +232,8 @@ def read_tree_file(path: str) -> TreeFile:
                     by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()),
                     num_speculative_tokens=n if isinstance(n, int) else None,
                     chain_schedule=data.get("num_speculative_tokens_per_batch_size"),
-                    lookup={key: data[key] for key in LOOKUP_KEYS if key in data})
+                    lookup={key: data[key] for key in LOOKUP_KEYS if key in data},
+                    draft_sample_method=data.get("draft_sample_method"))
 
 
 # ---------------------------------------------------------------------- CLI

@@ -205,6 +205,18 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
                                                     "num_speculative_tokens_per_batch_size": [[1, 3, 5]]}))
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size must be"):
         _config(dirs, {"method": "falcon", "model": str(chain)})
+    # sampled drafts for sampled requests; an explicit draft_sample_method wins
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3,
+                                                    "draft_sample_method": "probabilistic"}))
+    sc = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config
+    assert sc.draft_sample_method == "probabilistic" and sc.num_speculative_tokens == 3
+    sc = _config(dirs, {"method": "falcon", "model": str(chain), "draft_sample_method": "greedy"}).speculative_config
+    assert sc.draft_sample_method == "greedy"
+    sc = _config(dirs, {"method": "falcon", "model": str(chain), "num_speculative_tokens": 2}).speculative_config
+    assert sc.draft_sample_method == "greedy"  # an explicit chain: serving.json not read
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "draft_sample_method": "random"}))
+    with pytest.raises(ValueError, match="draft_sample_method must be"):
+        _config(dirs, {"method": "falcon", "model": str(chain)})
     tree = tmp_path / "tree"
     shutil.copytree(dirs / "good", tree)
     (tree / "serving.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]], "by_batch_size": {
@@ -214,6 +226,10 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
     assert [list(r) for r in sc.num_speculative_tokens_per_batch_size] == [[1, 7, 3], [8, 1 << 20, 0]]
     sc = _config(dirs, {"method": "falcon", "model": str(tree), "num_speculative_tokens": 2}).speculative_config
     assert sc.num_speculative_tokens == 2 and sc.draft_model_config.hf_config.falcon["mode"] == "chain"
+    (tree / "serving.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]],
+                                                   "draft_sample_method": "probabilistic"}))
+    with pytest.raises(ValueError, match="needs a chain"):
+        _config(dirs, {"method": "falcon", "model": str(tree)})
     (chain / "serving.json").write_text("{not json")
     with pytest.raises(Exception, match="serving.json is not valid JSON"):
         _config(dirs, {"method": "falcon", "model": str(chain)})

@@ -98,19 +98,24 @@ def check_weights(path: str) -> None:
 SERVING_FILE = "serving.json"
 
 
-def recommended_serving(path: str) -> tuple[str | None, int | None, list | None, dict]:
-    """(tree spec, num_speculative_tokens, chain schedule, prompt-lookup options) a drafter directory recommends
-    in ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
+def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
+    """(tree spec, num_speculative_tokens, vLLM keys, prompt-lookup options) a drafter directory recommends in
+    ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
     ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's ``num_speculative_tokens_per_batch_size``
-    (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off) and the prompt-lookup
-    options (``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens``); None / {} when it has none."""
+    (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off) and
+    ``draft_sample_method`` (``"probabilistic"``: sampled requests get drafts drawn at their temperature), and
+    the prompt-lookup options (``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens``); None / {}
+    when it has none."""
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
-        return None, None, None, {}
+        return None, None, {}, {}
     rec = read_tree_file(f)
     if rec.tuned:
-        return f, None, None, {}
-    n, sched = rec.num_speculative_tokens, rec.chain_schedule
+        if rec.draft_sample_method not in (None, "greedy"):
+            raise ValueError(f"falcon-vllm: {f}: draft_sample_method={rec.draft_sample_method!r} needs a chain; "
+                             "a tune-tree file serves a tree, whose nodes are drafted greedily")
+        return f, None, {}, {}
+    n, sched, method = rec.num_speculative_tokens, rec.chain_schedule, rec.draft_sample_method
     if n is not None:
         if sched is not None and not (isinstance(sched, list) and all(
                 isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and x >= 0 for x in r)
@@ -118,7 +123,11 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, list | None,
             raise ValueError(f"falcon-vllm: {f}: num_speculative_tokens_per_batch_size must be a list of "
                              f"[min batch size, max batch size, K] with 0 <= K <= num_speculative_tokens ({n}), "
                              f"got {sched!r}")
-        return None, n, sched, rec.lookup
+        if method not in (None, "greedy", "probabilistic"):
+            raise ValueError(f"falcon-vllm: {f}: draft_sample_method must be \"greedy\" or \"probabilistic\", "
+                             f"got {method!r}")
+        keys = {"num_speculative_tokens_per_batch_size": sched, "draft_sample_method": method}
+        return None, n, {key: v for key, v in keys.items() if v is not None}, rec.lookup
     raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
 
 
@@ -171,9 +180,10 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
-        tree_spec, n, chain_schedule, lookup_rec = recommended_serving(path)
-        if chain_schedule is not None and sc.get("num_speculative_tokens_per_batch_size") is None:
-            sc["num_speculative_tokens_per_batch_size"] = chain_schedule
+        tree_spec, n, vllm_rec, lookup_rec = recommended_serving(path)
+        for key, v in vllm_rec.items():  # explicit keys win
+            if sc.get(key) is None:
+                sc[key] = v
         if not any(key in sc for key in LOOKUP_KEYS):
             sc.update(lookup_rec)
     lookup = _lookup_options(sc)  # pops the prompt-lookup keys
