@@ -533,6 +533,30 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
     assert _greedy(llm, greedy, 16)[0] == want
 
 
+def test_seeded_requests_repeat_with_sampled_drafts(engines):
+    """With sampled drafts a seeded request draws its drafts from its own generator, as the rejection sampler
+    draws from it: run alone twice (the process's global generator advanced in between) and among unseeded
+    requests, it gives the same tokens.  Drafts drawn from the global generator give another output each run."""
+    from vllm import SamplingParams
+
+    llm = engines.get("ctx_prob")
+    prompt = {"prompt_token_ids": [5, 9, 5, 9, 5, 9]}
+    with_seed = SamplingParams(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
+    free = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
+
+    def run(prompts, params):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    before = spec_counters(llm)
+    first = run([prompt], with_seed)[0]
+    c = counter_delta(spec_counters(llm), before)
+    assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c  # drafts drawn, some rejected
+    torch.rand(1000)
+    assert run([prompt], with_seed)[0] == first
+    others = [{"prompt_token_ids": [300 + 11 * i + j for j in range(6)]} for i in range(3)]
+    assert run([others[0], prompt, others[1], others[2]], [free, with_seed, free, free])[1] == first
+
+
 def test_sampling_is_lossless_with_prompt_lookup(engines, ckpts):
     """Prompt lookup first, Falcon otherwise, at temperature 1: requests get drafts of different lengths (lookup
     drafts of up to 4 tokens from their repeated prompts, the drafter's chain of 2) and the tokens still follow

@@ -373,13 +373,18 @@ class FalconProposer(EagleProposer):
     def _draft(self, rows: torch.Tensor, sampling_metadata=None, probs: list | None = None) -> torch.Tensor:
         """rows [B, k, H] -> draft tokens [B, k] (target ids).  ``probs`` None: the drafter's argmax.  Else tokens
         sampled from the drafter at each request's temperature (vLLM's draft sampling: greedy requests keep the
-        argmax), and their distributions over the target's vocabulary, [B, k, V], appended to ``probs``."""
+        argmax; a seeded request's draws come from its generator), and their distributions over the target's
+        vocabulary, [B, k, V], appended to ``probs``."""
         B, k, H = rows.shape
         head = unwrap_model(self.model)
         logits = self.model.compute_logits(rows.reshape(B * k, H))
         if probs is None:
             return head.to_target_ids(logits.argmax(-1)).view(B, k)
         ids, p = self._sample_from_logits(logits, sampling_metadata)          # per-request temperature, k rows each
+        for i, gen in sampling_metadata.generators.items():  # a seeded request draws from its own generator, so its
+            if i < B:                                        # output repeats whatever else the engine runs
+                r = slice(i * k, (i + 1) * k)
+                ids[r] = (p[r] / torch.empty_like(p[r]).exponential_(generator=gen)).argmax(-1)
         if head.truncated:  # the draft vocabulary's probabilities at their target ids, zero elsewhere
             if getattr(self, "_draft_vocab_ids", None) is None:
                 self._draft_vocab_ids = head.to_target_ids(torch.arange(p.shape[-1], device=p.device))
