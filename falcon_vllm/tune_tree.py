@@ -205,7 +205,7 @@ class TreeFile:
     """A JSON file written by ``falcon-vllm tune-tree`` (``main`` below), or a drafter's ``serving.json``,
     which holds either such a file or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
     ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size), vLLM's
-    ``"draft_sample_method"`` and the prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``,
+    ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``,
     ``falcon_tokens``, ``lookup_tokens``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
@@ -214,6 +214,7 @@ class TreeFile:
     chain_schedule: list | None = None     # serving.json's chain form: K per batch-size range
     lookup: dict = field(default_factory=dict)  # serving.json's chain form: its prompt-lookup keys, as given
     draft_sample_method: str | None = None  # serving.json's chain form: how the chain's drafts are drawn
+    draft_temperature_scale: float | None = None  # serving.json's chain form: sampled drafts' temperature factor
 
 
 def read_tree_file(path: str) -> TreeFile:
@@ -233,7 +234,8 @@ def read_tree_file(path: str) -> TreeFile:
                     num_speculative_tokens=n if isinstance(n, int) else None,
                     chain_schedule=data.get("num_speculative_tokens_per_batch_size"),
                     lookup={key: data[key] for key in LOOKUP_KEYS if key in data},
-                    draft_sample_method=data.get("draft_sample_method"))
+                    draft_sample_method=data.get("draft_sample_method"),
+                    draft_temperature_scale=data.get("draft_temperature_scale"))
 
 
 # ---------------------------------------------------------------------- CLI

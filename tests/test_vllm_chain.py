@@ -93,9 +93,10 @@ def _engine_specs(base) -> dict:
         # drafts sampled from the drafter, their distributions verified by vLLM's rejection sampler
         "ctx_prob": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4,
                              "draft_sample_method": "probabilistic"}, {}),
+        # ... with lookup, a head over half the vocabulary, and the drafter at half the request's temperature
         "ctx_lookup_prob": ("ctx", {"model": "exact_k2_half", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-                                    "draft_sample_method": "probabilistic"}, {}),
+                                    "draft_sample_method": "probabilistic", "draft_temperature_scale": 0.5}, {}),
     }
     out = {}
     for name, (target, spec, kw) in specs.items():
@@ -499,9 +500,9 @@ def _draft_probs_seen(llm):
 def test_sampled_drafts_are_lossless(engines, ckpts, name):
     """draft_sample_method "probabilistic": the drafter's tokens are drawn from its distribution at the request's
     temperature and that distribution goes to vLLM's rejection sampler (with prompt lookup, one-hot rows for the
-    lookup drafts, and a head over half the vocabulary, its probabilities placed at their target ids); at
-    temperature 1 and 0.7 the tokens follow the target's distribution.  Greedy requests stay token-identical to
-    vanilla's."""
+    lookup drafts, a head over half the vocabulary, its probabilities placed at their target ids, and the drafter
+    at half the request's temperature: draft_temperature_scale 0.5); at temperature 1 and 0.7 the tokens follow
+    the target's distribution.  Greedy requests stay token-identical to vanilla's."""
     greedy = [list(range(300, 340)), [5, 9, 5, 9, 5, 9]]
     want = _greedy(engines.get("vanilla_ctx"), greedy, 16)[0]   # before the engine below (the cache may evict it)
     llm = engines.get(name)
@@ -531,6 +532,50 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
         lk = drafter_of(llm).lookup
         assert lk.lookup_drafts and lk.falcon_drafts
     assert _greedy(llm, greedy, 16)[0] == want
+
+
+def test_sampled_draft_rows_draw_from_what_they_hand_over(engines):
+    """The unit under the chi-square above (whose peaked drafter hides a wrong temperature): each sampled draft row
+    hands the rejection sampler the drafter's distribution at T x draft_temperature_scale, on its head's target ids,
+    and its tokens are drawn from exactly that distribution (chi-square over 8 bins of equal mass per row, rows at
+    temperatures 0.7 and 1.0 and logits flat enough that the temperature shows)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    from falcon_vllm.vllm.proposer import unwrap_model
+
+    prop = drafter_of(engines.get("ctx_lookup_prob"))
+    head, k, s = unwrap_model(prop.model), prop.k, prop.draft_temperature_scale
+    assert s == 0.5 and head.truncated
+    w = head.lm_head.weight.detach()
+    pick = w[torch.tensor([11, 5000, 9000, 20000])].float()
+    rows = (128.0 * pick / pick.square().sum(-1, keepdim=True)).view(2, k, -1)     # [B=2, k, H]; own logit 128
+    temperature = torch.tensor([0.7, 1.0])
+    sm = SamplingMetadata(temperature=temperature, all_greedy=False, all_random=True, top_p=None, top_k=None,
+                          generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+                          frequency_penalties=torch.zeros(2), presence_penalties=torch.zeros(2),
+                          repetition_penalties=torch.ones(2), output_token_ids=[[], []], allowed_token_ids_mask=None,
+                          bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    ids = head.to_target_ids(torch.arange(w.shape[0]))
+    logits = prop.model.compute_logits(rows.view(2 * k, -1)).float()
+    want = torch.zeros(2 * k, V)
+    want[:, ids] = torch.softmax(logits / (temperature.repeat_interleave(k)[:, None] * s), -1)
+    torch.manual_seed(0)
+    n, drawn = 2000, []
+    for _ in range(n):
+        probs = []
+        drawn.append(prop._draft(rows, sm, probs).view(-1))
+        assert torch.allclose(probs[0].view(2 * k, V), want, atol=1e-6)
+    drawn = torch.stack(drawn, 1)                                                    # [2k, n]
+    for r in range(2 * k):
+        order = want[r].argsort(descending=True)
+        bins = torch.empty(V, dtype=torch.long)
+        bins[order] = ((want[r][order].cumsum(0) - want[r][order]) * 8).long().clamp(max=7)
+        expected = torch.zeros(8).index_add_(0, bins, want[r]) * n
+        counts = torch.bincount(bins[drawn[r]], minlength=8).float()
+        assert want[r].max() < 0.1 and expected.min() > 100, expected              # flat: the temperature shows
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 30.0, (r, counts.tolist(), expected.tolist())                 # 7 dof, p ~ 1e-4
 
 
 def test_seeded_requests_repeat_with_sampled_drafts(engines):

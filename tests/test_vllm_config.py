@@ -217,6 +217,25 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
     (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "draft_sample_method": "random"}))
     with pytest.raises(ValueError, match="draft_sample_method must be"):
         _config(dirs, {"method": "falcon", "model": str(chain)})
+    # the sampled drafts' temperature factor: recommended with them, dropped with explicit greedy drafts
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "draft_sample_method": "probabilistic",
+                                                    "draft_temperature_scale": 0.5}))
+    falcon = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config.draft_model_config.hf_config.falcon
+    assert falcon["draft_temperature_scale"] == 0.5
+    falcon = _config(dirs, {"method": "falcon", "model": str(chain), "draft_temperature_scale": 0.25}
+                     ).speculative_config.draft_model_config.hf_config.falcon
+    assert falcon["draft_temperature_scale"] == 0.25
+    sc = _config(dirs, {"method": "falcon", "model": str(chain), "draft_sample_method": "greedy"}).speculative_config
+    assert sc.draft_sample_method == "greedy" and "draft_temperature_scale" not in sc.draft_model_config.hf_config.falcon
+    for bad, match in ((0, "must be a number"), ("0.5", "must be a number"), (True, "must be a number")):
+        with pytest.raises(ValueError, match=match):
+            _config(dirs, {"method": "falcon", "model": str(chain), "draft_temperature_scale": bad})
+    with pytest.raises(ValueError, match="give draft_sample_method"):
+        _config(dirs, {"method": "falcon", "model": str(chain), "num_speculative_tokens": 2,
+                       "draft_temperature_scale": 0.5})
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "draft_temperature_scale": 0.5}))
+    with pytest.raises(ValueError, match="applies to sampled drafts"):
+        _config(dirs, {"method": "falcon", "model": str(chain)})
     tree = tmp_path / "tree"
     shutil.copytree(dirs / "good", tree)
     (tree / "serving.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]], "by_batch_size": {

@@ -40,7 +40,7 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 #             elsewhere; drafts may change slightly, outputs never do.
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
-FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "draft_gemm_dtype"}
+FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "draft_gemm_dtype", "draft_temperature_scale"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -103,8 +103,8 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
     ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
     ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's ``num_speculative_tokens_per_batch_size``
     (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off) and
-    ``draft_sample_method`` (``"probabilistic"``: sampled requests get drafts drawn at their temperature), and
-    the prompt-lookup options (``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens``); None / {}
+    ``draft_sample_method`` (``"probabilistic"``: sampled requests get drafts drawn at their temperature, times
+    ``draft_temperature_scale``), and the prompt-lookup options (``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens``); None / {}
     when it has none."""
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
@@ -126,7 +126,11 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
         if method not in (None, "greedy", "probabilistic"):
             raise ValueError(f"falcon-vllm: {f}: draft_sample_method must be \"greedy\" or \"probabilistic\", "
                              f"got {method!r}")
-        keys = {"num_speculative_tokens_per_batch_size": sched, "draft_sample_method": method}
+        if rec.draft_temperature_scale is not None and method != "probabilistic":
+            raise ValueError(f"falcon-vllm: {f}: draft_temperature_scale applies to sampled drafts "
+                             "(draft_sample_method \"probabilistic\")")
+        keys = {"num_speculative_tokens_per_batch_size": sched, "draft_sample_method": method,
+                "draft_temperature_scale": rec.draft_temperature_scale}
         return None, n, {key: v for key, v in keys.items() if v is not None}, rec.lookup
     raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
 
@@ -181,12 +185,22 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
         tree_spec, n, vllm_rec, lookup_rec = recommended_serving(path)
+        rec_scale = vllm_rec.pop("draft_temperature_scale", None)
         for key, v in vllm_rec.items():  # explicit keys win
             if sc.get(key) is None:
                 sc[key] = v
+        if rec_scale is not None and sc.get("draft_sample_method") == "probabilistic":
+            sc.setdefault("draft_temperature_scale", rec_scale)
         if not any(key in sc for key in LOOKUP_KEYS):
             sc.update(lookup_rec)
     lookup = _lookup_options(sc)  # pops the prompt-lookup keys
+    scale = sc.pop("draft_temperature_scale", None)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
+            raise ValueError(f"falcon-vllm: draft_temperature_scale must be a number in (0, 16], got {scale!r}")
+        if sc.get("draft_sample_method") != "probabilistic":
+            raise ValueError("falcon-vllm: draft_temperature_scale (the drafter's temperature over the request's) "
+                             "applies to sampled drafts: give draft_sample_method \"probabilistic\" too")
     tree = None
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
@@ -215,6 +229,8 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                          "rejection sampler reads the drafts' probabilities); tree mode drafts each node greedily. "
                          "Give a chain (num_speculative_tokens) or drop draft_sample_method")
     info = {} if gemm is None else {"draft_gemm_dtype": gemm}
+    if scale is not None:
+        info["draft_temperature_scale"] = float(scale)
     if tree_mode:
         sc.update(method="eagle", model=path, num_speculative_tokens=n)
         info |= {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}

@@ -39,6 +39,7 @@ count proposals and drafter passes (relaxed block + block passes) so tests can c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -58,6 +59,7 @@ from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
 
 logger = init_logger(__name__)
 PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
+SAMPLING_EPS = 1e-5   # vLLM's: a temperature below it is greedy
 
 
 def falcon_section(draft_model_config) -> dict | None:
@@ -92,6 +94,8 @@ class FalconProposer(EagleProposer):
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         self.tree_state: TreeState | None = None  # tree mode's state (tree_draft.TreeState)
         self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
+        # sampled drafts (draft_sample_method "probabilistic"): the drafter's temperature over the request's
+        self.draft_temperature_scale = float((self.falcon or {}).get("draft_temperature_scale", 1.0))
         if not self.falcon:
             return
         if self.falcon.get("prompt_lookup"):
@@ -373,14 +377,19 @@ class FalconProposer(EagleProposer):
     def _draft(self, rows: torch.Tensor, sampling_metadata=None, probs: list | None = None) -> torch.Tensor:
         """rows [B, k, H] -> draft tokens [B, k] (target ids).  ``probs`` None: the drafter's argmax.  Else tokens
         sampled from the drafter at each request's temperature (vLLM's draft sampling: greedy requests keep the
-        argmax; a seeded request's draws come from its generator), and their distributions over the target's
-        vocabulary, [B, k, V], appended to ``probs``."""
+        argmax; a seeded request's draws come from its generator; ``draft_temperature_scale`` scales the sampled
+        rows' temperatures), and their distributions over the target's vocabulary, [B, k, V], appended to
+        ``probs``: whatever it draws from, the rejection sampler is handed that distribution."""
         B, k, H = rows.shape
         head = unwrap_model(self.model)
         logits = self.model.compute_logits(rows.reshape(B * k, H))
         if probs is None:
             return head.to_target_ids(logits.argmax(-1)).view(B, k)
-        ids, p = self._sample_from_logits(logits, sampling_metadata)          # per-request temperature, k rows each
+        sm, s = sampling_metadata, self.draft_temperature_scale
+        if s != 1.0 and sm.temperature is not None:  # sampled rows at s x their temperature (greedy rows stay)
+            t = sm.temperature
+            sm = dataclasses.replace(sm, temperature=torch.where(t < SAMPLING_EPS, t, (t * s).clamp_min(1e-3)))
+        ids, p = self._sample_from_logits(logits, sm)          # per-request temperature, k rows each
         for i, gen in sampling_metadata.generators.items():  # a seeded request draws from its own generator, so its
             if i < B:                                        # output repeats whatever else the engine runs
                 r = slice(i * k, (i + 1) * k)
