@@ -205,8 +205,8 @@ class TreeFile:
     """A JSON file written by ``falcon-vllm tune-tree`` (``main`` below), or a drafter's ``serving.json``,
     which holds either such a file or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
     ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size), vLLM's
-    ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys (``prompt_lookup_min``, ``prompt_lookup_max``,
-    ``falcon_tokens``, ``lookup_tokens``)."""
+    ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys
+    (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending

@@ -99,13 +99,13 @@ SERVING_FILE = "serving.json"
 
 
 def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
-    """(tree spec, num_speculative_tokens, vLLM keys, prompt-lookup options) a drafter directory recommends in
-    ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule are used) or
-    ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's ``num_speculative_tokens_per_batch_size``
-    (``[[lo, hi, K], ...]``: the chain's length per batch-size range, 0 = drafting off) and
-    ``draft_sample_method`` (``"probabilistic"``: sampled requests get drafts drawn at their temperature, times
-    ``draft_temperature_scale``), and the prompt-lookup options (``prompt_lookup_min`` / ``prompt_lookup_max`` / ``falcon_tokens``); None / {}
-    when it has none."""
+    """(tree spec, num_speculative_tokens, other speculative-config keys, prompt-lookup options) a drafter directory
+    recommends in ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule
+    are used) or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
+    ``num_speculative_tokens_per_batch_size`` (``[[lo, hi, K], ...]``: the chain's length per batch-size range,
+    0 = drafting off) and ``draft_sample_method`` (``"probabilistic"``: sampled requests get drafts drawn at
+    their temperature times ``draft_temperature_scale``), and the prompt-lookup options (``prompt_lookup_min`` /
+    ``prompt_lookup_max`` / ``falcon_tokens``); None / {} when it has none."""
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
         return None, None, {}, {}
@@ -184,9 +184,9 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     tree_spec = sc.pop("tree", None)
     n = sc.get("num_speculative_tokens")
     if tree_spec is None and n is None:  # the drafter's recommended configuration, if it ships one
-        tree_spec, n, vllm_rec, lookup_rec = recommended_serving(path)
-        rec_scale = vllm_rec.pop("draft_temperature_scale", None)
-        for key, v in vllm_rec.items():  # explicit keys win
+        tree_spec, n, rec_keys, lookup_rec = recommended_serving(path)
+        rec_scale = rec_keys.pop("draft_temperature_scale", None)  # only with the sampled drafts it scales
+        for key, v in rec_keys.items():  # explicit keys win
             if sc.get(key) is None:
                 sc[key] = v
         if rec_scale is not None and sc.get("draft_sample_method") == "probabilistic":
