@@ -34,6 +34,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+def expected_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float,
+                        scale: float | None) -> torch.Tensor:
+    """[n, V] logits of the target and of the drafter (-inf off its head) -> [n] probability that vLLM's rejection
+    sampler accepts the draft at a request temperature: sum min(p, r) for a draft drawn from r, the drafter's
+    distribution at ``scale`` x ``temperature``; p(argmax) for a greedy draft (``scale`` None)."""
+    p = torch.softmax(target_logits / temperature, -1)
+    if scale is None:
+        return p.gather(-1, draft_logits.argmax(-1, keepdim=True))[:, 0]
+    return torch.minimum(p, torch.softmax(draft_logits / (temperature * scale), -1)).sum(-1)
+
+
 def acceptance(drafter, samples, temperatures, scales, max_len: int = 384) -> dict:
     """{(T, rule): [expected acceptance per block position]}; rule "greedy" or the scale s (float)."""
     from falcon_vllm.train.trainer import forward, make_batch
@@ -53,12 +64,10 @@ def acceptance(drafter, samples, temperatures, scales, max_len: int = 384) -> di
         if ids is not None:  # a truncated head: its logits at their target ids, -inf elsewhere
             own = torch.full_like(target, float("-inf")).index_copy_(1, ids, own)
         count += torch.bincount(offset, minlength=k).double()
-        top = own.argmax(-1, keepdim=True)
         for T in temperatures:
-            p = torch.softmax(target / T, -1)
-            rules = {"greedy": p.gather(-1, top)[:, 0]}
+            rules = {"greedy": expected_acceptance(target, own, T, None)}
             for sc in scales:
-                rules[sc] = torch.minimum(p, torch.softmax(own / (T * sc), -1)).sum(-1)
+                rules[sc] = expected_acceptance(target, own, T, sc)
             for rule, acc in rules.items():
                 sums.setdefault((T, rule), torch.zeros(k, dtype=torch.float64))
                 sums[(T, rule)] += torch.bincount(offset, weights=acc.double(), minlength=k)
@@ -114,7 +123,8 @@ def main(argv=None) -> int:
              f"Exact expected acceptance of a draft (sum min(p, r); greedy: p(argmax q)) at every answer position of "
              f"the target's greedy answers to the first {a.num_prompts} prompts of each dataset (at most "
              f"{a.max_new_tokens} tokens), the drafter reading the target's true features. Cells: acceptance at block "
-             "positions 0, 1 / chain tokens (1 + a0 + a0 a1). s: draft_temperature_scale (the drafter sampled at s x "
+             "positions 0, 1 / chain tokens (1 + a0 + a0 a1; a drafter with one block position, k = 1: 1 + a0). "
+             "s: draft_temperature_scale (the drafter sampled at s x "
              "the request's temperature).", "",
              "| temperature | rule | " + " | ".join(sets) + " |", "|---|---|" + "---|" * len(sets)]
     for T in temperatures:
