@@ -47,6 +47,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy (vLLM's sampler)
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from falcon_vllm.tree import DecodingTree
@@ -59,7 +60,6 @@ from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
 
 logger = init_logger(__name__)
 PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
-SAMPLING_EPS = 1e-5   # vLLM's: a temperature below it is greedy
 
 
 def falcon_section(draft_model_config) -> dict | None:
@@ -370,10 +370,6 @@ class FalconProposer(EagleProposer):
         outside = (positions < 0) | (positions >= self.max_model_len)
         return torch.where(outside, PADDING_SLOT_ID, slots).reshape(-1)
 
-    def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B, k, H] -> greedy draft tokens [B, k] (target ids; the drafter's LM head)."""
-        return self._draft(rows)
-
     def _draft(self, rows: torch.Tensor, sampling_metadata=None, probs: list | None = None) -> torch.Tensor:
         """rows [B, k, H] -> draft tokens [B, k] (target ids).  ``probs`` None: the drafter's argmax.  Else tokens
         sampled from the drafter at each request's temperature (vLLM's draft sampling: greedy requests keep the
@@ -388,7 +384,7 @@ class FalconProposer(EagleProposer):
         sm, s = sampling_metadata, self.draft_temperature_scale
         if s != 1.0 and sm.temperature is not None:  # sampled rows at s x their temperature (greedy rows stay)
             t = sm.temperature
-            sm = dataclasses.replace(sm, temperature=torch.where(t < SAMPLING_EPS, t, (t * s).clamp_min(1e-3)))
+            sm = dataclasses.replace(sm, temperature=torch.where(t < _SAMPLING_EPS, t, (t * s).clamp_min(1e-3)))
         ids, p = self._sample_from_logits(logits, sm)          # per-request temperature, k rows each
         for i, gen in sampling_metadata.generators.items():  # a seeded request draws from its own generator, so its
             if i < B:                                        # output repeats whatever else the engine runs
