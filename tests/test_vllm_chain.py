@@ -444,20 +444,29 @@ def test_short_prompts_recover_full_acceptance(engines, name, k):
         assert later and all(a == d for a, d in later), m
 
 
-def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96, repeat=1):
+def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96, repeat=1, greedy=()):
     """Sample 12 tokens after ``n`` random prompts (a random 6-token prompt ``repeat`` times) on the context
-    target -> (chi-square, counts, expected, spec counter delta)."""
+    target -> (chi-square, counts, expected, spec counter delta).  ``greedy`` prompts join the same batch as
+    greedy requests of 16 tokens, spread among the sampled ones; with them, their outputs come last."""
     from vllm import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, V, (6,), generator=g).tolist() * repeat for _ in range(n)]
     kw = {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
+    reqs = [({"prompt_token_ids": p}, SamplingParams(max_tokens=12, temperature=temperature, seed=i,
+                                                     ignore_eos=True, **kw)) for i, p in enumerate(prompts)]
+    at = [(i + 1) * n // (len(greedy) + 1) for i in range(len(greedy))]   # greedy rows inside the batch
+    for i, p in reversed(list(zip(at, greedy))):
+        reqs.insert(i, ({"prompt_token_ids": p}, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)))
     before = spec_counters(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True, **kw)
-                         for i in range(n)], use_tqdm=False)
-    chi2, counts, expected = context_chi_square(ckpts["ctx"], prompts, outs, temperature, top_k, top_p)
-    return chi2, counts, expected, counter_delta(spec_counters(llm), before)
+    outs = llm.generate([r for r, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    greedy_at = {i + j for j, i in enumerate(at)}
+    sampled = [o for i, o in enumerate(outs) if i not in greedy_at]
+    chi2, counts, expected = context_chi_square(ckpts["ctx"], prompts, sampled, temperature, top_k, top_p)
+    c = counter_delta(spec_counters(llm), before)
+    if greedy:
+        return chi2, counts, expected, c, [list(outs[i].outputs[0].token_ids) for i in sorted(greedy_at)]
+    return chi2, counts, expected, c
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 3, None), (1.0, None, 0.8)])
@@ -502,7 +511,8 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
     temperature and that distribution goes to vLLM's rejection sampler (with prompt lookup, one-hot rows for the
     lookup drafts, a head over half the vocabulary, its probabilities placed at their target ids, and the drafter
     at half the request's temperature: draft_temperature_scale 0.5); at temperature 1 and 0.7 the tokens follow
-    the target's distribution.  Greedy requests stay token-identical to vanilla's."""
+    the target's distribution.  Greedy requests stay token-identical to vanilla's, alone and in a batch of
+    sampled requests (at T 0.7, where the chi-square also checks the sampled rows among them)."""
     greedy = [list(range(300, 340)), [5, 9, 5, 9, 5, 9]]
     want = _greedy(engines.get("vanilla_ctx"), greedy, 16)[0]   # before the engine below (the cache may evict it)
     llm = engines.get(name)
@@ -521,10 +531,12 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
         return toks
 
     prop._draft = draft
-    for temperature in (1.0, 0.7):
-        chi2, counts, expected, c = _sample_chi_square(llm, ckpts, temperature, None, None, repeat=2)
+    for temperature in (1.0, 0.7):   # at 0.7 greedy requests share the batch: their rows keep the argmax
+        chi2, counts, expected, c, *mixed = _sample_chi_square(llm, ckpts, temperature, None, None, repeat=2,
+                                                               greedy=greedy if temperature < 1 else ())
         assert chi2 < 23.0, (temperature, counts.tolist(), expected.tolist())
         assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
+        assert not mixed or mixed[0] == want
     assert ok and not bad, (len(ok), len(bad))
     probs = [s for s in seen if s is not None]
     assert probs and all(len(s) == 2 and s[1] == V for s in probs), seen[:5]   # [drafted tokens, V]: probabilities

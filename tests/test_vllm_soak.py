@@ -1,4 +1,5 @@
-"""Short soak of `falcon-vllm serve` in tree mode (benchmarks/soak_server.py is the long one): 32
+"""Short soaks of `falcon-vllm serve`, in tree mode and in the shipped drafter's recommended form (prompt lookup
+first, the chain otherwise, sampled drafts; benchmarks/soak_server.py is the long one): each 32
 concurrent clients for 30 s (longer on a slow machine, until 48 requests have completed) on a tiny random
 target, streaming and not, aborts and malformed requests; greedy answers equal a vanilla server's, memory
 flat, spec counters consistent."""
@@ -13,12 +14,20 @@ from falcon_vllm.soak import markdown, soak
 from falcon_vllm.testing import random_drafter, tiny_llama
 
 
+# the shipped drafter's recommended form (prompt lookup first, the chain otherwise, sampled requests drafted by
+# sampling), drafting at every batch size
+DEFAULT_FORM = {"num_speculative_tokens": 8, "falcon_tokens": 2, "lookup_tokens": 4, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 4, "draft_sample_method": "probabilistic", "draft_temperature_scale": 0.6}
+
+
 @pytest.mark.slow
-def test_short_soak_tree_mode(tmp_path):
+@pytest.mark.parametrize("mode", ["tree", "lookup_chain_sampled"])
+def test_short_soak(tmp_path, mode):
     t = tiny_llama(vocab=49152, hidden=64, heads=2, kv_heads=1, seed=3)
     target = save_target(t, str(tmp_path / "target"))
     random_drafter(t, k=2).save_pretrained(str(tmp_path / "drafter"))
-    spec = {"method": "falcon", "model": str(tmp_path / "drafter"), "tree": "tree-3x2x1"}
+    spec = {"method": "falcon", "model": str(tmp_path / "drafter")}
+    spec |= {"tree": "tree-3x2x1"} if mode == "tree" else DEFAULT_FORM
     res = soak(target, ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"],
                ["--speculative-config", json.dumps(spec)], str(tmp_path), clients=32, duration=30.0,
                max_words=100, max_rss_growth=0.15, min_completed=48, max_duration=150.0)

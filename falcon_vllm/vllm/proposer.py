@@ -30,9 +30,12 @@ For a 1-layer drafter this is exactly the reference engine's computation (the KV
 not depend on the mask); with more layers the positions before the relaxed block keep their
 causal KV (the reference uses relaxed blocks there too), which changes acceptance, never output.
 
-Drafts are greedy (argmax of the target's LM head on each row) and verified by vLLM's own
-rejection sampler as one-hot proposals, so the output is exactly vanilla vLLM's (greedy) or
-distributed exactly as the target (sampling) whatever the drafter does.  ``steps`` / ``passes``
+Drafts are the drafter's argmax on each row, verified by vLLM's own rejection sampler as one-hot
+proposals; with ``draft_sample_method`` "probabilistic" a sampled request's chain drafts are drawn
+from the drafter's distribution at ``draft_temperature_scale`` x its temperature (from its own
+generator when seeded), and that distribution goes to the rejection sampler.  Either way the output
+is exactly vanilla vLLM's (greedy) or distributed exactly as the target (sampling) whatever the
+drafter does; tree nodes are always the drafter's top candidates.  ``steps`` / ``passes``
 count proposals and drafter passes (relaxed block + block passes) so tests can check
 ``ceil(K / k)`` per step.  Every pass runs eagerly (no CUDA graphs).
 """
