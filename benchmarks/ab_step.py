@@ -38,37 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cpu_gemm_rows import cpu_name  # noqa: E402
 # its environment, its configuration names
-from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, _spec  # noqa: E402
-
-
-def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = None):
-    cfg, *opts = cfg.split("%")  # falcon%draft_gemm_dtype=model: more speculative-config options
-    extra = {}
-    for opt in opts:
-        key, sep, value = opt.partition("=")
-        if not sep:
-            raise SystemExit(f"falcon-vllm: ab_step: option {opt!r} in configuration {cfg!r} is not key=value")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
-    cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
-    if other:
-        drafter = eagle_drafter = other
-    spec = _spec_for(cfg, drafter, num_spec_tokens, eagle_drafter)
-    if extra and spec is None:
-        raise SystemExit(f"falcon-vllm: ab_step: vanilla takes no speculative-config options ({opts})")
-    return spec if not extra else {**spec, **extra}
-
-
-def _spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None):
-    kind, _, arg = cfg.partition(":")
-    if kind == "falcon":  # the drafter's own recommendation (its serving.json)
-        return {"method": "falcon", "model": drafter}
-    if kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
-                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return _spec(cfg, drafter, num_spec_tokens, eagle_drafter)
+from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, spec_for  # noqa: E402
 
 
 def run(args) -> list[dict]:

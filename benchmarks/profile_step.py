@@ -26,8 +26,9 @@ on a shared CPU.
   python benchmarks/profile_step.py --configs vanilla,chain,tree:tree-2x2x1 --batch-sizes 1,4,16 \\
       --max-new-tokens 16 --name profile_step
 
-Configurations: vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>] (Falcon, --drafter) and
-eagle[:K] (vLLM's own EAGLE proposer, --eagle-drafter).
+Configurations: vanilla, falcon (the drafter's own recommendation), chain[:K], lookup[:K[:F[:L[:N]]]],
+tree[:<tree>] (Falcon, --drafter), eagle[:K] (vLLM's own EAGLE proposer, --eagle-drafter) and ngram[:K];
+``<config>%key=value`` adds a speculative-config key, ``<config>@<dir>`` names another drafter.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | Non
     kind, _, arg = cfg.partition(":")
     if kind == "vanilla":
         return None
+    if kind == "falcon":  # the drafter's own recommendation (its serving.json)
+        return {"method": "falcon", "model": drafter}
+    if kind == "ngram":  # vLLM's n-gram proposer
+        return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
+                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if kind == "chain":
         return {"method": "falcon", "model": drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
     if kind == "lookup":  # lookup[:K[:F[:L[:N]]]]: prompt lookup first (n-grams N-4, N=2 by default, up to K
@@ -105,7 +111,29 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | Non
         if tree.endswith(".json") and not os.path.isabs(tree):
             tree = os.path.join(ROOT, tree)
         return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K])")
+    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, falcon, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K], ngram[:K])")
+
+
+def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE):
+    """A configuration name -> its speculative config (None: vanilla).  ``<cfg>%key=value``: more speculative-config
+    keys (JSON values); ``<cfg>@<dir>``: another drafter than ``drafter`` / ``eagle_drafter``."""
+    cfg, *opts = cfg.split("%")  # falcon%draft_gemm_dtype=model: more speculative-config options
+    extra = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep:
+            raise SystemExit(f"falcon-vllm: option {opt!r} in configuration {cfg!r} is not key=value")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
+    if other:
+        drafter = eagle_drafter = other
+    spec = _spec(cfg, drafter, num_spec_tokens, eagle_drafter)
+    if extra and spec is None:
+        raise SystemExit(f"falcon-vllm: vanilla takes no speculative-config options ({opts})")
+    return spec if not extra else {**spec, **extra}
 
 
 def run_worker(args) -> list[dict]:
@@ -124,7 +152,7 @@ def run_worker(args) -> list[dict]:
     for cfg in args.configs:
         llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
                   max_num_seqs=max(args.batch_sizes), disable_log_stats=False, seed=0, enable_prefix_caching=False,
-                  speculative_config=_spec(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
+                  speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         timers = Timers()
         in_target = {"n": 0}
@@ -157,7 +185,7 @@ def run_worker(args) -> list[dict]:
         timers.wrap(llm.llm_engine, "step", "step")
         for B in args.batch_sizes:
             batch = [{"prompt_token_ids": p} for p in prompts[:B]]
-            sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
+            sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=True)
             llm.generate(batch, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
             timers.total.clear()
             timers.calls.clear()
@@ -196,7 +224,7 @@ def _worker_cmd(args, configs, out):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--configs", ",".join(configs),
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--max-new-tokens", str(args.max_new_tokens),
            "--repeats", str(args.repeats), "--drafter", args.drafter, "--eagle-drafter", args.eagle_drafter,
-           "--num-spec-tokens", str(args.num_spec_tokens)]
+           "--num-spec-tokens", str(args.num_spec_tokens), "--temperature", str(args.temperature)]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
@@ -264,7 +292,8 @@ def summarise(rows):
 def markdown(summary, args, command) -> str:
     lines = [f"# Step profile: {args.name}", "", f"Command: `{command}`", "",
              f"Machine: {cpu_name()}; "
-             f"{args.max_new_tokens} new tokens x {args.repeats} repeat(s) per batch, MT-Bench prompts, greedy, "
+             f"{args.max_new_tokens} new tokens x {args.repeats} repeat(s) per batch, MT-Bench prompts, "
+             + (f"temperature {args.temperature:g}, " if args.temperature else "greedy, ") +
              f"{args.rounds} round(s) (median){'; versions run side by side' if args.parallel else ''}.  ms per step (share of the step).  tree attention is part of "
              "attention, which is part of target forward; compaction is part of sampler; drafter passes are "
              "part of drafting.", ""]
@@ -289,6 +318,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="timed generations per batch size")
     p.add_argument("--rounds", type=int, default=1, help="driver: repetitions of the whole schedule (median)")
     p.add_argument("--num-spec-tokens", type=int, default=4, help="chain length K of `chain`")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE, help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
