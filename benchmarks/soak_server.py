@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Soak test of ``falcon-vllm serve`` (tree mode by default) on loopback, against a vanilla server.
+"""Soak test of ``falcon-vllm serve`` (tree mode, or the drafter's own recommendation) on loopback, against a vanilla server.
 
 Many concurrent clients for a bounded time: greedy and sampled requests of mixed lengths, streamed
 or not, completions and chat, random client disconnects (aborts) and malformed requests.  Checks:
@@ -8,7 +8,8 @@ answers identical to a vanilla server's (started afterwards with the same flags,
 resident memory of the server's process tree flat after warm-up, spec-decode counters from /metrics
 consistent.  Writes <out>.json and <out>.md; exits 1 when a check failed.  See falcon_vllm/soak.py.
 
-    python benchmarks/soak_server.py --duration 240 --clients 32   # SmolLM2 + the shipped drafter
+    python benchmarks/soak_server.py --duration 240 --clients 32   # SmolLM2 + the shipped drafter, a tree
+    python benchmarks/soak_server.py --tree default --clients 4 --max-num-seqs 4   # its serving.json
 """
 
 import argparse
@@ -29,7 +30,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, falcon_vllm.models)")
     ap.add_argument("--drafter", default=os.path.join(HERE, "..", "falcon_vllm", "drafters", "smollm2-135m-instruct"))
-    ap.add_argument("--tree", default="tree-2x2x1", help="tree preset, paths or file; a chain-N runs chain mode")
+    ap.add_argument("--tree", default="tree-2x2x1",
+                    help="tree preset, paths or file; a chain-N runs chain mode; `default`: the drafter's own "
+                         "recommendation (its serving.json: what `{\"method\": \"falcon\", \"model\": <drafter>}` gets); "
+                         "`vanilla`: the same load on a server without speculation (memory and latency baseline)")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--duration", type=float, default=240.0, help="seconds of load")
     ap.add_argument("--min-completed", type=int, default=0,
@@ -46,13 +50,18 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/falcon-soak", help="server logs")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "soak_smollm2_tree"), help="<out>.json, <out>.md")
+    ap.add_argument("--out", default=None, help="<out>.json, <out>.md (default: results/soak_smollm2_tree, or "
+                                                 "results/soak_smollm2_default with --tree default)")
     a = ap.parse_args()
     model = str(a.model or model_path())
     server_args = ["--dtype", "float32", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
                    "--enforce-eager"]
-    spec = {"method": "falcon", "model": os.path.abspath(a.drafter), "tree": a.tree}
-    res = soak(model, server_args, ["--speculative-config", json.dumps(spec)], a.workdir, clients=a.clients,
+    spec = {"method": "falcon", "model": os.path.abspath(a.drafter)}
+    if a.tree not in ("default", "vanilla"):
+        spec["tree"] = a.tree
+    spec_args = [] if a.tree == "vanilla" else ["--speculative-config", json.dumps(spec)]
+    a.out = a.out or os.path.join(HERE, "results", "soak_smollm2_" + (a.tree if a.tree in ("default", "vanilla") else "tree"))
+    res = soak(model, server_args, spec_args, a.workdir, clients=a.clients,
                duration=a.duration, num_prompts=a.num_prompts, max_words=a.max_words, p_abort=a.p_abort,
                p_malformed=a.p_malformed, p_greedy=a.p_greedy, seed=a.seed, max_rss_growth=a.max_rss_growth,
                min_completed=a.min_completed, max_duration=a.max_duration)
