@@ -51,16 +51,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/falcon-soak", help="server logs")
     ap.add_argument("--out", default=None, help="<out>.json, <out>.md (default: results/soak_smollm2_tree, or "
-                                                 "results/soak_smollm2_default with --tree default)")
+                                                 "results/soak_smollm2_<default|vanilla> with that --tree)")
     a = ap.parse_args()
     model = str(a.model or model_path())
     server_args = ["--dtype", "float32", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
                    "--enforce-eager"]
-    spec = {"method": "falcon", "model": os.path.abspath(a.drafter)}
-    if a.tree not in ("default", "vanilla"):
-        spec["tree"] = a.tree
-    spec_args = [] if a.tree == "vanilla" else ["--speculative-config", json.dumps(spec)]
-    a.out = a.out or os.path.join(HERE, "results", "soak_smollm2_" + (a.tree if a.tree in ("default", "vanilla") else "tree"))
+    kind = a.tree if a.tree in ("default", "vanilla") else "tree"
+    spec = {"method": "falcon", "model": os.path.abspath(a.drafter)} | ({"tree": a.tree} if kind == "tree" else {})
+    spec_args = [] if kind == "vanilla" else ["--speculative-config", json.dumps(spec)]
+    a.out = a.out or os.path.join(HERE, "results", "soak_smollm2_" + kind)
     res = soak(model, server_args, spec_args, a.workdir, clients=a.clients,
                duration=a.duration, num_prompts=a.num_prompts, max_words=a.max_words, p_abort=a.p_abort,
                p_malformed=a.p_malformed, p_greedy=a.p_greedy, seed=a.seed, max_rss_growth=a.max_rss_growth,

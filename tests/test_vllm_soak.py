@@ -14,10 +14,18 @@ from falcon_vllm.soak import markdown, soak
 from falcon_vllm.testing import random_drafter, tiny_llama
 
 
-# the shipped drafter's recommended form (prompt lookup first, the chain otherwise, sampled requests drafted by
-# sampling), drafting at every batch size
-DEFAULT_FORM = {"num_speculative_tokens": 8, "falcon_tokens": 2, "lookup_tokens": 4, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 4, "draft_sample_method": "probabilistic", "draft_temperature_scale": 0.6}
+def _shipped_form() -> dict:
+    """The shipped drafter's recommended form (prompt lookup first, the chain otherwise, sampled requests drafted
+    by sampling), read from its serving.json, drafting at every batch size (its schedule left out)."""
+    import os
+
+    import falcon_vllm
+
+    path = os.path.join(os.path.dirname(falcon_vllm.__file__), "drafters", "smollm2-135m-instruct", "serving.json")
+    with open(path) as f:
+        form = json.load(f)
+    form.pop("num_speculative_tokens_per_batch_size")
+    return form
 
 
 @pytest.mark.slow
@@ -27,7 +35,7 @@ def test_short_soak(tmp_path, mode):
     target = save_target(t, str(tmp_path / "target"))
     random_drafter(t, k=2).save_pretrained(str(tmp_path / "drafter"))
     spec = {"method": "falcon", "model": str(tmp_path / "drafter")}
-    spec |= {"tree": "tree-3x2x1"} if mode == "tree" else DEFAULT_FORM
+    spec |= {"tree": "tree-3x2x1"} if mode == "tree" else _shipped_form()
     res = soak(target, ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"],
                ["--speculative-config", json.dumps(spec)], str(tmp_path), clients=32, duration=30.0,
                max_words=100, max_rss_growth=0.15, min_completed=48, max_duration=150.0)
