@@ -58,6 +58,12 @@ def run_worker(a) -> None:
                                      "seconds": round(time.time() - t0, 1)}), flush=True)
 
 
+def _rel(path):
+    """A path inside the repository relative to its root (results name no machine paths)."""
+    root = os.path.dirname(HERE)
+    return os.path.relpath(path, root) if path and os.path.abspath(path).startswith(root + os.sep) else path
+
+
 def summarise(series: list[dict], tail: int) -> dict:
     trimmed = [r["rss_trimmed_mib"] for r in series]
     out = {"rounds": len(series), "first_trimmed_mib": trimmed[0], "last_trimmed_mib": trimmed[-1],
@@ -118,7 +124,8 @@ def main() -> int:
         spec_for(cfg, a.drafter, 2, a.eagle_drafter)  # an unknown name fails before any engine starts
     res = {"name": a.name, "command": "python benchmarks/memory_rounds.py " + " ".join(sys.argv[1:]),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-           "args": {k: v for k, v in vars(a).items() if k != "worker"}, "tail": a.tail, "series": {}, "summary": {}}
+           "args": {k: _rel(v) if k in ("model", "drafter", "eagle_drafter") else v
+                    for k, v in vars(a).items() if k != "worker"}, "tail": a.tail, "series": {}, "summary": {}}
     out = os.path.join(HERE, "results", a.name)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine in the worker's own process
     for cfg in configs:

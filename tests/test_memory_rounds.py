@@ -31,3 +31,10 @@ def test_markdown_has_a_row_and_a_series_per_config():
 
 def test_rss_is_read_from_proc():
     assert 1 < memory_rounds.rss_mib() < 1 << 20
+
+
+def test_results_name_repository_paths_relative_to_its_root():
+    from profile_step import DEFAULT_DRAFTER
+
+    assert memory_rounds._rel(DEFAULT_DRAFTER) == os.path.join("falcon_vllm", "drafters", "smollm2-135m-instruct")
+    assert memory_rounds._rel(None) is None and memory_rounds._rel("/elsewhere/model") == "/elsewhere/model"
