@@ -25,22 +25,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from bench_e2e import _portable  # noqa: E402
 from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, spec_for  # noqa: E402
 
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+from falcon_vllm.soak import make_prompts, rss_mb  # noqa: E402
 
 
 def run_worker(a) -> None:
     from vllm import LLM, SamplingParams
 
     from falcon_vllm.models import model_path
-    from falcon_vllm.soak import make_prompts
 
     trim = ctypes.CDLL("libc.so.6").malloc_trim
     llm = LLM(model=a.model or str(model_path()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
@@ -52,16 +46,11 @@ def run_worker(a) -> None:
         params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_p=0.95, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)
         gc.collect()
-        held = rss_mib()
+        held = rss_mb(os.getpid())
         trim(0)
-        print("ROUND " + json.dumps({"round": rnd, "rss_mib": round(held, 1), "rss_trimmed_mib": round(rss_mib(), 1),
+        print("ROUND " + json.dumps({"round": rnd, "rss_mib": round(held, 1),
+                                     "rss_trimmed_mib": round(rss_mb(os.getpid()), 1),
                                      "seconds": round(time.time() - t0, 1)}), flush=True)
-
-
-def _rel(path):
-    """A path inside the repository relative to its root (results name no machine paths)."""
-    root = os.path.dirname(HERE)
-    return os.path.relpath(path, root) if path and os.path.abspath(path).startswith(root + os.sep) else path
 
 
 def summarise(series: list[dict], tail: int) -> dict:
@@ -84,7 +73,7 @@ def markdown(res: dict) -> str:
              f"max_num_seqs {a['max_num_seqs']}, prefix caching on, one engine per configuration in its own process. "
              "RSS after the round, then after `malloc_trim(0)` (what the allocator held but did not use is returned).",
              "", f"| config | rounds | trimmed RSS after round 1 (MiB) | at the end | growth | growth over the last "
-             f"{res['tail']} rounds | RSS at the end, untrimmed |", "|---|---|---|---|---|---|---|"]
+             f"{a['tail']} rounds | RSS at the end, untrimmed |", "|---|---|---|---|---|---|---|"]
     for cfg, s in res["summary"].items():
         lines.append(f"| {cfg} | {s['rounds']} | {s['first_trimmed_mib']:.0f} | {s['last_trimmed_mib']:.0f} | "
                      f"{s['growth_trimmed_mib']:+.0f} | "
@@ -124,8 +113,7 @@ def main() -> int:
         spec_for(cfg, a.drafter, 2, a.eagle_drafter)  # an unknown name fails before any engine starts
     res = {"name": a.name, "command": "python benchmarks/memory_rounds.py " + " ".join(sys.argv[1:]),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-           "args": {k: _rel(v) if k in ("model", "drafter", "eagle_drafter") else v
-                    for k, v in vars(a).items() if k != "worker"}, "tail": a.tail, "series": {}, "summary": {}}
+           "args": {k: _portable(v) for k, v in vars(a).items() if k != "worker"}, "series": {}, "summary": {}}
     out = os.path.join(HERE, "results", a.name)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine in the worker's own process
     for cfg in configs:

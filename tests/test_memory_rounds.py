@@ -20,21 +20,22 @@ def test_growth_overall_and_over_the_last_rounds():
 
 def test_markdown_has_a_row_and_a_series_per_config():
     series = {"vanilla": _series([100, 101, 101]), "falcon": _series([200, 230, 231])}
-    res = {"name": "t", "command": "python benchmarks/memory_rounds.py", "machine": "x", "tail": 1,
+    res = {"name": "t", "command": "python benchmarks/memory_rounds.py", "machine": "x",
            "args": {"requests": 12, "temperature": 0.8, "max_new_tokens": 40, "max_words": 300, "same_prompts": False,
-                    "max_num_seqs": 2},
+                    "max_num_seqs": 2, "tail": 1},
            "series": series, "summary": {k: memory_rounds.summarise(v, 1) for k, v in series.items()}}
     md = memory_rounds.markdown(res)
     assert "| falcon | 3 | 200 | 231 | +31 | +1 | 271 |" in md
     assert "- vanilla: 100, 101, 101" in md
 
 
-def test_rss_is_read_from_proc():
-    assert 1 < memory_rounds.rss_mib() < 1 << 20
+def test_rss_is_read_for_this_process():
+    assert 1 < memory_rounds.rss_mb(os.getpid()) < 1 << 20
 
 
-def test_results_name_repository_paths_relative_to_its_root():
+def test_results_name_no_machine_paths():
     from profile_step import DEFAULT_DRAFTER
 
-    assert memory_rounds._rel(DEFAULT_DRAFTER) == os.path.join("falcon_vllm", "drafters", "smollm2-135m-instruct")
-    assert memory_rounds._rel(None) is None and memory_rounds._rel("/elsewhere/model") == "/elsewhere/model"
+    port = memory_rounds._portable  # bench_e2e's, applied to every setting written
+    assert port(DEFAULT_DRAFTER) == os.path.join("falcon_vllm", "drafters", "smollm2-135m-instruct")
+    assert port(None) is None and port(12) == 12 and port("/elsewhere/model") == "model"

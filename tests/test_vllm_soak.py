@@ -17,12 +17,9 @@ from falcon_vllm.testing import random_drafter, tiny_llama
 def _shipped_form() -> dict:
     """The shipped drafter's recommended form (prompt lookup first, the chain otherwise, sampled requests drafted
     by sampling), read from its serving.json, drafting at every batch size (its schedule left out)."""
-    import os
+    from falcon_vllm.vllm.options import DRAFTERS_DIR, SERVING_FILE
 
-    import falcon_vllm
-
-    path = os.path.join(os.path.dirname(falcon_vllm.__file__), "drafters", "smollm2-135m-instruct", "serving.json")
-    with open(path) as f:
+    with open(DRAFTERS_DIR / "smollm2-135m-instruct" / SERVING_FILE) as f:
         form = json.load(f)
     form.pop("num_speculative_tokens_per_batch_size")
     return form
