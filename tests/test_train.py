@@ -515,8 +515,7 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
                    ("eagle", "eagle-stage5", "eagle-stage4", 2, 3e-4, None)]
     assert {c.layers for c in seen[:5]} == {2} and {c.block_order for c in seen[:5]} == {"reversed"}
     assert [(os.path.relpath(s, w), d) for s, d in installed] == [
-        ("falcon-stage5", "smollm2-135m-instruct"), ("eagle-stage5/vllm-eagle", "smollm2-135m-instruct-eagle"),
-        ("eagle-stage5", "smollm2-135m-instruct-eagle-ref")]
+        ("falcon-stage5", "smollm2-135m-instruct"), ("eagle-stage5/vllm-eagle", "smollm2-135m-instruct-eagle")]
 
 
 def test_aux_layers_data_drafter_and_training(tmp_path, target, data):

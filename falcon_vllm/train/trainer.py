@@ -801,7 +801,7 @@ RECIPES = {
                 "epochs": 5, "batch_size": 8, "lr": 2e-3, "fusion": "fc", "k": 2, "tree": "falcon-llama",
                 "falcon_layers": 2, "falcon_block_order": "reversed", "draft_vocab": 8192,
                 "falcon_dir": "smollm2-135m-instruct", "eagle_dir": "smollm2-135m-instruct-eagle",
-                "eagle_ref_dir": "smollm2-135m-instruct-eagle-ref", "eagle_tree": "eagle-small",
+                "eagle_tree": "eagle-small",
                 "answers": "smollm2-sharegpt.safetensors",
                 # stage 1: the first 3,360 conversations, 5 epochs (the draft head's tokens come from them)
                 "max_conversations": 3360,
@@ -874,8 +874,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
         install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]))
         install_drafter(os.path.join(eag["out"], "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
-        install_drafter(eag["out"], os.path.join(shipped, r["eagle_ref_dir"]))
-        out["installed"] = [r["falcon_dir"], r["eagle_dir"], r["eagle_ref_dir"]]
+        out["installed"] = [r["falcon_dir"], r["eagle_dir"]]
     with open(os.path.join(work, "recipe_log.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
