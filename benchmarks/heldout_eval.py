@@ -74,6 +74,10 @@ def main(argv=None) -> int:
     p.add_argument("--best-trees", default="",
                    help="node counts, e.g. 16: also the sim tau of each drafter's best tree of that size, fitted "
                         "to half of the roots and scored on the other half (tune_tree.cross_fit_tau)")
+    p.add_argument("--context", choices=["relaxed", "causal"], default="relaxed",
+                   help="top-1 as training computes it (relaxed: every block sees its whole block) or as vLLM's "
+                        "proposer does (causal: the positions before the block with causal K/V; differs only "
+                        "for drafters of more than one layer)")
     p.add_argument("--work", default=".cache/heldout-eval")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -122,10 +126,11 @@ def main(argv=None) -> int:
         sets = sets_for(d.config.aux_layers)
         for name, samples in sets.items():
             with torch.no_grad():
-                r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots, widths)
+                r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots, widths,
+                             context=a.context)
             row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
                    "block_order": d.config.block_order, "aux_layers": list(d.config.aux_layers), "dataset": name,
-                   "conversations": len(samples), "tree": tree, **r}
+                   "conversations": len(samples), "tree": tree, "context": a.context, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)
     res = {"command": "python benchmarks/heldout_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -140,7 +145,9 @@ def main(argv=None) -> int:
              f"{a.max_new_tokens} tokens) to the first "
              f"{a.num_prompts} prompts of each dataset; the drafters read the target's true features. top-1: the "
              "drafter's argmax equals the target's token, per block position; sim tau: mean tokens per step on the "
-             "tree (bonus included). Cells: top-1 by block position / sim tau"
+             "tree (bonus included)" + ("; top-1 with the positions before each block attending causally, as vLLM's "
+                                        "proposer runs a drafter (--context causal)" if a.context == "causal" else "")
+             + ". Cells: top-1 by block position / sim tau"
              + (" / sim tau of the drafter's best tree of " + ", ".join(map(str, widths)) + " nodes (fitted to half of "
                 "the roots with 8 tokens after them, scored on the other half)" if widths else "") + ".", "",
              "| drafter | tree | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]

@@ -63,6 +63,29 @@ def chunk_mask(past_len: int, chunk_len: int, k: int, device=None) -> torch.Tens
     return torch.cat([past, inner], dim=1)
 
 
+
+def causal_context_mask(length: int, k: int, device=None) -> torch.Tensor:
+    """The attention of serving's first pass for every end-aligned block of a sequence at once.
+
+    vLLM's proposer writes the drafter's K/V of verified positions with a causal chunk pass, then runs
+    only the newest k positions as a relaxed block over that causal prefix; the training mask
+    (:func:`chunk_mask`) relaxes every block of the chunk instead.  With more than one layer the two give
+    the earlier positions different K/V.  This mask is for a sequence fed twice, ``[block copy ; causal
+    copy]`` (each ``length`` long, the same rotary positions): block-copy query i sees its own block's
+    block copies and the causal copies before that block; causal-copy query i sees causal copies 0..i.
+    The block copy's outputs are then what serving's first pass computes at each block.
+    Returns [2 * length, 2 * length] bool."""
+    i = torch.arange(length, device=device)
+    blk = (length - 1 - i) // k                       # 0 for the last block, as in chunk_mask
+    start = i - (i - length) % k                       # the first position of i's block (a partial one: 0)
+    start = torch.where(start < 0, torch.zeros_like(start), start)
+    own = blk[None, :] == blk[:, None]
+    before = i[None, :] < start[:, None]
+    causal = i[None, :] <= i[:, None]
+    top = torch.cat([own, before], dim=1)
+    bottom = torch.cat([torch.zeros_like(causal), causal], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
 # ---------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -5,7 +5,7 @@ import torch
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.convert import convert_official, export_official
-from falcon_vllm.drafter import FalconDrafter, chunk_mask, level_order
+from falcon_vllm.drafter import FalconDrafter, causal_context_mask, chunk_mask, level_order
 from falcon_vllm.reference import DrafterCache, FalconReferenceEngine
 from falcon_vllm.testing import random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -194,6 +194,39 @@ def test_reversed_block_order(tmp_path, target, k):
             assert torch.allclose(y[s:s + k], x[s:s + k].flip(0), atol=1e-6)
         assert not torch.allclose(y[first:L], x[first:L], atol=1e-3)
     assert all(torch.equal(p, q) for (p, _), (q, _) in zip(kv_a, kv_b))     # the KV does not change
+
+
+
+@pytest.mark.parametrize("L", [7, 8])
+def test_causal_context_mask_is_servings_first_pass(target, L):
+    """Fed [block copy ; causal copy] under causal_context_mask, every block's outputs are serving's first pass at
+    that block: a causal pass over the positions before it, then the block alone (relaxed) on that K/V.  With one
+    layer that is the training forward's output too; with two it is not (the earlier positions' K/V differ)."""
+    k = 2
+    g = torch.Generator().manual_seed(1)
+    H = target.config.hidden_size
+    emb, feats = torch.randn(1, L, H, generator=g), torch.randn(1, L, H, generator=g)
+    pos = torch.arange(L)[None]
+    m = causal_context_mask(L, k)
+    assert m.shape == (2 * L, 2 * L) and not m[L:, :L].any()                 # the causal copy never sees blocks
+    for layers in (1, 2):
+        d = random_drafter(target, k=k, fusion="fc", num_layers=layers, seed=3, block_order="reversed")
+        with torch.no_grad():
+            two = d(emb.repeat(1, 2, 1), feats.repeat(1, 2, 1), pos.repeat(1, 2), m[None],
+                    lengths=torch.tensor([L]))[0][0, :L]
+            relaxed = d(emb, feats, pos, chunk_mask(0, L, k))[0][0]
+            r = L % k                                                         # a partial first block
+            for start, end in ([(0, r)] if r else []) + [(b, b + k) for b in range(r, L, k)]:
+                past = None
+                if start:
+                    _, past = d(emb[:, :start], feats[:, :start], pos[:, :start], chunk_mask(0, start, 1))
+                out, _ = d(emb[:, start:end], feats[:, start:end], pos[:, start:end], chunk_mask(start, end - start, k),
+                           past=past, lengths=torch.tensor([end - start]))
+                torch.testing.assert_close(two[start:end], out[0], atol=1e-5, rtol=1e-5)
+        if layers == 1:
+            torch.testing.assert_close(two, relaxed, atol=1e-5, rtol=1e-5)
+        else:
+            assert not torch.allclose(two, relaxed, atol=1e-3)                  # the earlier positions' K/V differ
 
 
 def test_config_validation():

@@ -617,3 +617,28 @@ def test_second_pass_loss_trains(tmp_path, target, data):
     assert record["second_pass"] == 1.0
     with pytest.raises(ValueError, match="second-pass loss weight"):
         train(TrainConfig(str(tmp_path / "e"), second_pass=-1.0), samples=data, target=target, log=lambda *a: None)
+
+
+def test_evaluate_causal_context(tmp_path, target, data):
+    """evaluate(context="causal") scores each block as vLLM's proposer computes it: the same top-1 as training's
+    relaxed mask for a 1-layer drafter (its K/V does not depend on the mask), its own for 2 layers; sim tau is
+    the reference engine's either way.  An unknown context is refused."""
+    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.tree import build_tree
+
+    tree = build_tree("chain-2", 2)
+    got = {}
+    for layers in (1, 2):
+        out = str(tmp_path / f"l{layers}")
+        train(TrainConfig(out, k=2, fusion="fc", layers=layers, block_order="reversed", epochs=2, batch_size=8,
+                          lr=3e-3, eval_every_epoch=False, eval_roots=4), samples=data, target=target, log=lambda *a: None)
+        d = FalconDrafter.from_pretrained(out, target.config)
+        d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+        with torch.no_grad():
+            got[layers] = [evaluate(d, data, tree, 2, 64, 4, context=c) for c in ("relaxed", "causal")]
+    one, two = got[1], got[2]
+    assert one[0]["top1_by_block_position"] == one[1]["top1_by_block_position"]
+    assert two[0]["sim_tau"] == two[1]["sim_tau"] and min(two[1]["top1_by_block_position"]) > 0.1
+    assert two[0]["top1_by_block_position"] != two[1]["top1_by_block_position"]
+    with pytest.raises(ValueError, match="'relaxed' or 'causal'"):
+        evaluate(d, data[:1], tree, 2, 64, 4, context="paged")

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from falcon_vllm.config import FalconConfig
-from falcon_vllm.drafter import FalconDrafter, chunk_mask
+from falcon_vllm.drafter import FalconDrafter, causal_context_mask, chunk_mask
 from falcon_vllm.train.gen_data import Sample, layer_list, load_shards, stored_aux_layers
 from falcon_vllm.tree import build_tree
 
@@ -415,11 +415,16 @@ def init_distributed(device: str) -> tuple[int, int, str]:
 
 # ---------------------------------------------------------------------- evaluation
 @torch.inference_mode()
-def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120, best_widths=()):
+def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120, best_widths=(),
+             context: str = "relaxed"):
     """Held-out per-block-position top-1 accuracy and simulated tau of ``tree``; with ``best_widths``,
     also the simulated tau of the best tree of each of those sizes, fitted to half of the roots and
     scored on the other half (``tune_tree.cross_fit_accepted``; rank profiles to depth 8, top-10 ranks).  Each
-    sim tau comes with its standard error over the roots."""
+    sim tau comes with its standard error over the roots.  ``context`` "causal": the top-1 of each block as
+    vLLM's proposer computes it (the positions before the block with causal K/V: ``causal_context_mask``);
+    "relaxed": as training computes it (every block relaxed)."""
+    if context not in ("relaxed", "causal"):
+        raise ValueError(f"falcon-vllm: evaluate(context=) is 'relaxed' or 'causal', got {context!r}")
     from falcon_vllm.tune_tree import accepted_length, cross_fit_accepted, mean_tau, standard_error
 
     if not drafter.config.aux_layers:
@@ -431,8 +436,14 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
     dev = next(drafter.parameters()).device
     for s in samples:
         b = to_device(make_batch([s], k, max_len), dev)
-        pred = forward(drafter, b["ids_in"], b["feat_in"], b)[0]
         L = int(b["lengths"][0])
+        if context == "causal":  # [block copy ; causal copy]: the block copy comes first, so `lengths` orders it
+            ids, feats = b["ids_in"].repeat(1, 2), b["feat_in"].repeat(1, 2, 1)
+            pos = torch.arange(L, device=dev).repeat(2)[None]
+            pred = drafter(drafter.embed(ids), feats, pos, causal_context_mask(L, k, dev)[None],
+                           lengths=b["lengths"])[0][0, :L]
+        else:
+            pred = forward(drafter, b["ids_in"], b["feat_in"], b)[0]
         sel = b["loss"][0, :L]
         teacher = b["t_arg"][0, :L] if "t_arg" in b else drafter.target_logits(b["feat_lbl"][0, :L]).argmax(-1)
         hit = torch.zeros(L, dtype=torch.bool, device=dev)

@@ -28,7 +28,8 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
 
 For a 1-layer drafter this is exactly the reference engine's computation (the KV of layer 0 does
 not depend on the mask); with more layers the positions before the relaxed block keep their
-causal KV (the reference uses relaxed blocks there too), which changes acceptance, never output.
+causal KV (the reference uses relaxed blocks there too), which changes acceptance, never output: for the shipped
+2-layer drafter, top-1 within 0.004 of training's relaxed context (``heldout_eval.py --context causal``).
 
 Drafts are the drafter's argmax on each row, verified by vLLM's own rejection sampler as one-hot
 proposals; with ``draft_sample_method`` "probabilistic" a sampled request's chain drafts are drawn
