@@ -8,7 +8,6 @@ from falcon_vllm.convert import convert_official, export_official
 from falcon_vllm.drafter import FalconDrafter, causal_context_mask, chunk_mask, level_order
 from falcon_vllm.reference import DrafterCache, FalconReferenceEngine
 from falcon_vllm.testing import random_drafter, tiny_llama
-from falcon_vllm.tree import build_tree
 
 torch.set_num_threads(1)
 

@@ -642,3 +642,42 @@ def test_evaluate_causal_context(tmp_path, target, data):
     assert two[0]["top1_by_block_position"] != two[1]["top1_by_block_position"]
     with pytest.raises(ValueError, match="'relaxed' or 'causal'"):
         evaluate(d, data[:1], tree, 2, 64, 4, context="paged")
+
+
+def test_level_weights(tmp_path, target, data):
+    """--level-weights scales each position's losses by the block level its output predicts: level_weights maps
+    positions to levels as evaluate counts them (blocks aligned to each row's end); weights (1, 1) give the
+    unweighted loss, (1, 0) the loss of the level-1 positions alone; training records them; bad weights are
+    refused."""
+    from falcon_vllm.config import FalconConfig
+    from falcon_vllm.train.trainer import level_weights
+
+    b = make_batch(data[:3], 2, 9, trim=[0, 1, 2])                     # rows of 9, 8 and 7 positions
+    w = level_weights(b, 2, (1.0, 0.25))
+    # a block's outputs come in level order: its first position predicts level 1, its last level k (labels
+    # f_{j+k}); a partial first block predicts level k (evaluate's block positions)
+    assert w[0].tolist() == [0.25] + [1, 0.25] * 4
+    assert w[1, :8].tolist() == [1, 0.25] * 4 and w[2, :7].tolist() == [0.25] + [1, 0.25] * 3
+    assert level_weights(b, 2, ()) is None
+    torch.manual_seed(0)
+    d = FalconDrafter(FalconConfig.from_target(target.config, k=2)).attach_target(
+        target.get_input_embeddings(), target.get_output_embeddings())
+    b = make_batch(data[:8], 2, 64)
+    with torch.no_grad():
+        pred = forward(d, b["ids_in"], b["feat_in"], b)
+        plain, _ = losses(d, pred, b, b["loss"], 0.1, 0.9)
+        ones, _ = losses(d, pred, b, b["loss"], 0.1, 0.9, weights=level_weights(b, 2, (1.0, 1.0)))
+        first, _ = losses(d, pred, b, b["loss"], 0.1, 0.9, weights=level_weights(b, 2, (1.0, 0.0)))
+        m = b["loss"] & (level_weights(b, 2, (1.0, 0.0)) > 0)
+        alone, _ = losses(d, pred, b, m, 0.1, 0.9)
+    torch.testing.assert_close(ones, plain)
+    torch.testing.assert_close(first * b["loss"].sum() / m.sum(), alone)  # the same terms, over all positions' count
+    train(TrainConfig(str(tmp_path / "w"), k=2, fusion="fc", epochs=1, batch_size=8, glance="none",
+                      eval_every_epoch=False, eval_roots=4, level_weights=(1.0, 0.5)),
+          samples=data, target=target, log=lambda *a: None)
+    record = json.loads((tmp_path / "w" / "config.json").read_text())["falcon"]["extra"]["training"]
+    assert record["level_weights"] == [1.0, 0.5]
+    for bad in ((1.0,), (1.0, -1.0), (0.0, 0.0)):  # k weights, none negative, not all zero
+        with pytest.raises(ValueError, match="level-weights"):
+            train(TrainConfig(str(tmp_path / "x"), k=2, level_weights=bad), samples=data, target=target,
+                  log=lambda *a: None)

@@ -288,8 +288,10 @@ def subsample(mask, limit: int | None, gen: torch.Generator | None = None):
     return out.view_as(mask)
 
 
-def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: float = 0.95, token_mask=None):
-    """SmoothL1 on features + w_dist * (alpha * soft + (1 - alpha) * CE).
+def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: float = 0.95, token_mask=None,
+           weights=None):
+    """SmoothL1 on features + w_dist * (alpha * soft + (1 - alpha) * CE); ``weights`` [B, T] (optional) scales
+    each position's terms (``level_weights``).
 
     The LM head (the dominant cost) runs only on ``token_mask`` (default: the loss positions; the
     trainer may pass a random subset of them, an unbiased estimate of the token losses).  The
@@ -299,9 +301,11 @@ def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: floa
     """
     sel = loss_mask
     n = sel.sum().clamp(min=1)
-    reg = F.smooth_l1_loss(pred[sel].float(), batch["feat_lbl"][sel], reduction="none").mean(-1).sum() / n
+    reg = F.smooth_l1_loss(pred[sel].float(), batch["feat_lbl"][sel], reduction="none").mean(-1)
     tsel = sel if token_mask is None else token_mask
     nt = tsel.sum().clamp(min=1)
+    w = None if weights is None else weights[tsel]
+    reg = (reg if weights is None else reg * weights[sel]).sum() / n
     s_logits = drafter.logits(pred[tsel]).float()  # [n, V] or [n, N] (truncated head: draft ids)
     s_lse, s_lseT = s_logits.logsumexp(-1), (s_logits / T).logsumexp(-1)
     t2d = drafter.target_to_draft()  # None: draft ids are target ids
@@ -320,12 +324,25 @@ def losses(drafter, pred, batch, loss_mask, w_dist: float, alpha: float, T: floa
     d_idx = idx if t2d is None else t2d[idx]
     ok = d_idx >= 0
     log_s = s_logits.gather(1, d_idx.clamp(min=0)) / T - s_lseT[:, None]
-    soft = (p_t * (log_t - log_s) * ok).sum() / nt
+    soft = (p_t * (log_t - log_s) * ok).sum(-1)
     d_teacher = teacher if t2d is None else t2d[teacher]
-    ce = ((s_lse - s_logits.gather(1, d_teacher.clamp(min=0)[:, None])[:, 0]) * (d_teacher >= 0)).sum() / nt
+    ce = (s_lse - s_logits.gather(1, d_teacher.clamp(min=0)[:, None])[:, 0]) * (d_teacher >= 0)
+    if w is not None:
+        soft, ce = soft * w, ce * w
+    soft, ce = soft.sum() / nt, ce.sum() / nt
     acc = (drafter.to_target_ids(s_logits.argmax(-1)) == teacher).float().mean()
     return reg + w_dist * (alpha * soft + (1 - alpha) * ce), {"reg": float(reg.detach()), "soft": float(soft.detach()),
                                                                "ce": float(ce.detach()), "acc": float(acc)}
+
+
+def level_weights(batch, k: int, weights) -> torch.Tensor | None:
+    """[B, T] weight of each position's losses by the block level its output predicts (``weights[0]``: the next
+    token, level 1; outputs in level order, blocks aligned to each row's end); None for no weights."""
+    if not weights:
+        return None
+    L = batch["lengths"].to(batch["loss"].device)[:, None].long()
+    j = torch.arange(batch["loss"].shape[1], device=L.device)[None]
+    return torch.tensor(weights, dtype=torch.float32, device=L.device)[(j - (L - k)) % k]
 
 
 def forward(drafter, ids, feats, batch, net=None, with_kv: bool = False):
@@ -537,6 +554,7 @@ class TrainConfig:
     init_from: str | None = None          # start from this drafter's weights (same architecture and head)
     second_pass: float = 0.0              # weight of the loss on a second pass fed the first's predicted features
     aux_layers: tuple[int, ...] = ()      # also read these target layers' states (the data's gen-data --aux-layers)
+    level_weights: tuple[float, ...] = () # loss weight per block level (k of them; level 1 first); () = all 1
 
     def record(self) -> dict:
         """The fields without the machine's paths (the training record ships with the drafter)."""
@@ -577,12 +595,13 @@ def train_step(drafter, net, opt, sched, batch: dict, epoch: int, cfg: TrainConf
                     loss_mask[b, p] = False
         pred, kv = forward(drafter, ids, feats, batch, net, with_kv=True)
         tok_mask = subsample(loss_mask, cfg.logit_positions, gen)
-        loss, parts = losses(drafter, pred, batch, loss_mask, cfg.w_dist, cfg.alpha, token_mask=tok_mask)
+        lw = level_weights(batch, cfg.k, cfg.level_weights)
+        loss, parts = losses(drafter, pred, batch, loss_mask, cfg.w_dist, cfg.alpha, token_mask=tok_mask, weights=lw)
         if cfg.second_pass:
             pred2, rows = second_pass(drafter, ids, pred, kv, batch, cfg.k, net)
             mask2 = batch["loss"] & rows
             loss2, parts2 = losses(drafter, pred2, batch, mask2, cfg.w_dist, cfg.alpha,
-                                   token_mask=subsample(mask2, cfg.logit_positions, gen))
+                                   token_mask=subsample(mask2, cfg.logit_positions, gen), weights=lw)
             loss = loss + cfg.second_pass * loss2
             parts["acc2"] = parts2["acc"]
     opt.zero_grad(set_to_none=True)
@@ -616,6 +635,10 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         raise ValueError(f"falcon-vllm: train: block_phase must be 'fixed' or 'random', not {cfg.block_phase!r}")
     if not cfg.w_dist >= 0:
         raise ValueError(f"falcon-vllm: train: the token-loss weight must be >= 0, not {cfg.w_dist!r}")
+    if cfg.level_weights and (len(cfg.level_weights) != cfg.k or min(cfg.level_weights) < 0
+                              or max(cfg.level_weights) <= 0):
+        raise ValueError(f"falcon-vllm: train: --level-weights takes k = {cfg.k} weights >= 0, not all 0 (level 1 "
+                         f"first), got {list(cfg.level_weights)}")
     if cfg.second_pass < 0:
         raise ValueError(f"falcon-vllm: train: the second-pass loss weight must be >= 0, not {cfg.second_pass!r}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -930,6 +953,9 @@ def add_arguments(p):
                         "reversed = its last, whose input is the newest")
     p.add_argument("--token-weight", type=float, default=0.1,
                    help="weight of the token losses (soft + CE) against the feature regression (the paper's 0.1)")
+    p.add_argument("--level-weights", default="",
+                   help="comma-separated loss weight of each block level, level 1 (the next token) first, k of them "
+                        "(e.g. 1,0.5); default: all 1")
     p.add_argument("--second-pass", type=float, default=0.0,
                    help="weight of a second loss on the drafter's next pass, fed the features its first pass "
                         "predicted (as tree passes are in serving; EAGLE-3's training-time test); 0 = off")
@@ -980,8 +1006,8 @@ def main(args):
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
                       block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight,
-                      aux_layers=layer_list(args.aux_layers),
-                      second_pass=args.second_pass)
+                      aux_layers=layer_list(args.aux_layers), second_pass=args.second_pass,
+                      level_weights=tuple(float(x) for x in args.level_weights.split(",") if x.strip()))
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
