@@ -63,7 +63,6 @@ def chunk_mask(past_len: int, chunk_len: int, k: int, device=None) -> torch.Tens
     return torch.cat([past, inner], dim=1)
 
 
-
 def causal_context_mask(length: int, k: int, device=None) -> torch.Tensor:
     """The attention of serving's first pass for every end-aligned block of a sequence at once.
 
@@ -85,6 +84,7 @@ def causal_context_mask(length: int, k: int, device=None) -> torch.Tensor:
     top = torch.cat([own, before], dim=1)
     bottom = torch.cat([torch.zeros_like(causal), causal], dim=1)
     return torch.cat([top, bottom], dim=0)
+
 
 # ---------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
