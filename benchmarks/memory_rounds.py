@@ -40,10 +40,10 @@ def run_worker(a) -> None:
     llm = LLM(model=a.model or str(model_path()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
               enable_prefix_caching=True, max_num_seqs=a.max_num_seqs,
               speculative_config=spec_for(a.configs, a.drafter, 2, a.eagle_drafter))
+    params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_p=0.95, ignore_eos=True)
     t0 = time.time()
     for rnd in range(a.rounds):
         prompts = make_prompts(a.requests, a.max_words, 0 if a.same_prompts else rnd)
-        params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_p=0.95, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)
         gc.collect()
         held = rss_mb(os.getpid())

@@ -76,8 +76,7 @@ def causal_context_mask(length: int, k: int, device=None) -> torch.Tensor:
     Returns [2 * length, 2 * length] bool."""
     i = torch.arange(length, device=device)
     blk = (length - 1 - i) // k                       # 0 for the last block, as in chunk_mask
-    start = i - (i - length) % k                       # the first position of i's block (a partial one: 0)
-    start = torch.where(start < 0, torch.zeros_like(start), start)
+    start = (i - block_offsets(length, k, device=device)[0]).clamp(min=0)  # i's block's first position
     own = blk[None, :] == blk[:, None]
     before = i[None, :] < start[:, None]
     causal = i[None, :] <= i[:, None]
@@ -195,12 +194,20 @@ class PositionwiseLSTM(nn.LSTM):
         return out.reshape(B, T, -1)
 
 
+def block_offsets(T: int, k: int, lengths: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """[B, T] (or [1, T] without ``lengths``) offset of each position inside its k-block, blocks aligned to the
+    row's end (its length, default T).  A block's outputs come in level order, so offset r predicts level r+1."""
+    j = torch.arange(T, device=device)[None]
+    L = torch.full((1, 1), T, device=device) if lengths is None else lengths.to(device).long()[:, None]
+    return (j - L) % k
+
+
 def level_order(B: int, T: int, k: int, lengths: torch.Tensor | None = None, device=None) -> torch.Tensor:
     """[B, T] index that reverses every full k-block of a row, blocks aligned to the row's end (its length,
     default T); a partial first block and padding keep their places.  Its own inverse."""
     j = torch.arange(T, device=device).expand(B, T)
     L = torch.full((B, 1), T, device=device) if lengths is None else lengths.to(device).long()[:, None]
-    r = (j - L) % k                                   # offset inside its end-aligned block
+    r = block_offsets(T, k, lengths, device)          # offset inside its end-aligned block
     start = j - r
     full = (start >= 0) & (j < L)
     return torch.where(full, start + (k - 1 - r), j)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from falcon_vllm.config import FalconConfig
-from falcon_vllm.drafter import FalconDrafter, causal_context_mask, chunk_mask
+from falcon_vllm.drafter import FalconDrafter, block_offsets, causal_context_mask, chunk_mask
 from falcon_vllm.train.gen_data import Sample, layer_list, load_shards, stored_aux_layers
 from falcon_vllm.tree import build_tree
 
@@ -340,9 +340,9 @@ def level_weights(batch, k: int, weights) -> torch.Tensor | None:
     token, level 1; outputs in level order, blocks aligned to each row's end); None for no weights."""
     if not weights:
         return None
-    L = batch["lengths"].to(batch["loss"].device)[:, None].long()
-    j = torch.arange(batch["loss"].shape[1], device=L.device)[None]
-    return torch.tensor(weights, dtype=torch.float32, device=L.device)[(j - (L - k)) % k]
+    dev = batch["loss"].device
+    return torch.tensor(weights, dtype=torch.float32, device=dev)[block_offsets(batch["loss"].shape[1], k,
+                                                                                batch["lengths"], dev)]
 
 
 def forward(drafter, ids, feats, batch, net=None, with_kv: bool = False):
@@ -466,7 +466,7 @@ def evaluate(drafter, samples, tree, k: int, max_len: int, max_roots: int = 120,
         hit = torch.zeros(L, dtype=torch.bool, device=dev)
         hit[sel] = drafter.topk_tokens(pred[:L][sel], 1)[:, 0] == teacher[sel]
         hit, sel = hit.cpu(), sel.cpu()
-        r = (torch.arange(L) - (L - k)) % k  # offset inside its (end-aligned) block
+        r = block_offsets(L, k)[0]  # offset inside its (end-aligned) block
         for o in range(k):
             m = sel & (r == o)
             correct[o] += (hit & m).sum()
