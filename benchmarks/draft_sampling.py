@@ -32,6 +32,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from report import write_report  # noqa: E402
 
 
 def expected_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float,
@@ -115,9 +116,6 @@ def main(argv=None) -> int:
     res = {"command": "python benchmarks/draft_sampling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "drafter": a.drafter, "num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
            "seconds": round(time.time() - t0, 1), "rows": rows}
-    os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, f"{a.name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
     sets = list(dict.fromkeys(r["dataset"] for r in rows))
     lines = [f"# Greedy against sampled drafts, expected acceptance: {a.name}", "", f"Command: `{res['command']}`", "",
              f"Exact expected acceptance of a draft (sum min(p, r); greedy: p(argmax q)) at every answer position of "
@@ -133,9 +131,7 @@ def main(argv=None) -> int:
             cells = [", ".join(f"{x:.3f}" for x in mine[d]["acceptance_by_block_position"])
                      + f" / {mine[d]['chain_tokens']:.3f}" for d in sets]
             lines.append(f"| {T:g} | {rule} | " + " | ".join(cells) + " |")
-    with open(os.path.join(a.out_dir, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.join(a.out_dir, a.name)}.json and .md")
+    write_report(a.out_dir, a.name, res, lines)
     return 0
 
 

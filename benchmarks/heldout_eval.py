@@ -28,6 +28,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from report import write_report  # noqa: E402
+
 DATASETS = ("mt-bench", "humaneval", "gsm8k")
 
 
@@ -136,9 +139,6 @@ def main(argv=None) -> int:
     res = {"command": "python benchmarks/heldout_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "seconds": round(time.time() - t0, 1),
            "rows": rows}
-    os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, f"{a.name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
     names = list(sets)
     lines = [f"# Drafters on held-out prompts: {a.name}", "", f"Command: `{res['command']}`", "",
              f"The target's greedy answers (first turn; mt-bench-turn2: the second, after its own first; at most "
@@ -156,9 +156,7 @@ def main(argv=None) -> int:
         cells = [", ".join(f"{x:.3f}" for x in mine[n]["top1_by_block_position"]) + f" / {mine[n]['sim_tau']:.3f}"
                  + "".join(f" / {t:.3f}" for t in mine[n].get("best_tree_sim_tau", {}).values()) for n in names]
         lines.append(f"| {label} | {mine[names[0]]['tree']} | " + " | ".join(cells) + " |")
-    with open(os.path.join(a.out_dir, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.join(a.out_dir, a.name)}.json and .md")
+    write_report(a.out_dir, a.name, res, lines)
     return 0
 
 

@@ -43,6 +43,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from heldout_eval import DATASETS, eval_set  # noqa: E402
+from report import write_report  # noqa: E402
 
 DEFAULT_COSTS = {"vanilla": 33.8, "overhead": 1.0, "pass": 4.3, "row": 0.3}
 
@@ -238,9 +239,6 @@ def main(argv=None) -> int:
     res = {"command": "python benchmarks/serving_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "costs": costs, "pass_ms": pass_ms, "num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
            "seconds": round(time.time() - t0, 1), "rows": rows}
-    os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, f"{a.name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
     names = list(sets)
     lines = [f"# Serving policies, simulated: {a.name}", "", f"Command: `{res['command']}`", "",
              f"Batch 1, greedy: the target's answers (at most {a.max_new_tokens} tokens) to the first "
@@ -256,9 +254,7 @@ def main(argv=None) -> int:
             cells = [f"{m['tokens_per_step']:.3f} / {m['rows_per_step']:.2f} / {m['passes_per_step']:.2f} / "
                      f"{m['est_speedup']:.3f}x" for m in (mine[n] for n in names)]
             lines.append(f"| {label} | {s} | " + " | ".join(cells) + " |")
-    with open(os.path.join(a.out_dir, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.join(a.out_dir, a.name)}.json and .md")
+    write_report(a.out_dir, a.name, res, lines)
     return 0
 
 

@@ -446,8 +446,9 @@ def test_short_prompts_recover_full_acceptance(engines, name, k):
 
 def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96, repeat=1, greedy=()):
     """Sample 12 tokens after ``n`` random prompts (a random 6-token prompt ``repeat`` times) on the context
-    target -> (chi-square, counts, expected, spec counter delta).  ``greedy`` prompts join the same batch as
-    greedy requests of 16 tokens, spread among the sampled ones; with them, their outputs come last."""
+    target -> (chi-square, counts, expected, spec counter delta, greedy outputs).  ``greedy`` prompts join the
+    same batch as greedy requests of 16 tokens, spread among the sampled ones; their outputs come last (a
+    list, empty without them)."""
     from vllm import SamplingParams
 
     g = torch.Generator().manual_seed(0)
@@ -464,9 +465,7 @@ def _sample_chi_square(llm, ckpts, temperature, top_k, top_p, n=96, repeat=1, gr
     sampled = [o for i, o in enumerate(outs) if i not in greedy_at]
     chi2, counts, expected = context_chi_square(ckpts["ctx"], prompts, sampled, temperature, top_k, top_p)
     c = counter_delta(spec_counters(llm), before)
-    if greedy:
-        return chi2, counts, expected, c, [list(outs[i].outputs[0].token_ids) for i in sorted(greedy_at)]
-    return chi2, counts, expected, c
+    return chi2, counts, expected, c, [list(outs[i].outputs[0].token_ids) for i in sorted(greedy_at)]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 3, None), (1.0, None, 0.8)])
@@ -474,7 +473,7 @@ def test_sampling_is_lossless(engines, ckpts, temperature, top_k, top_p):
     """Every generated token's bin (d = -2..2, other) against the context target's processed
     distribution given its actual prefix; T = 0.7 also catches a temperature lost on the way to the
     rejection sampler, top-k / top-p a truncation applied to one side only."""
-    chi2, counts, expected, c = _sample_chi_square(engines.get("ctx"), ckpts, temperature, top_k, top_p)
+    chi2, counts, expected, c, _ = _sample_chi_square(engines.get("ctx"), ckpts, temperature, top_k, top_p)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
     # both branches of the rejection sampler ran: drafts were accepted and rejected
     assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
@@ -488,7 +487,7 @@ def test_broken_acceptance_rule_is_caught(engines, ckpts, monkeypatch):
 
     orig = rs.generate_uniform_probs
     monkeypatch.setattr(rs, "generate_uniform_probs", lambda *a, **kw: orig(*a, **kw) * 0.1)
-    chi2, counts, expected, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
+    chi2, counts, expected, _, _ = _sample_chi_square(engines.get("ctx"), ckpts, 1.0, None, None)
     assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())  # the threshold above
 
 
@@ -532,11 +531,11 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
 
     prop._draft = draft
     for temperature in (1.0, 0.7):   # at 0.7 greedy requests share the batch: their rows keep the argmax
-        chi2, counts, expected, c, *mixed = _sample_chi_square(llm, ckpts, temperature, None, None, repeat=2,
-                                                               greedy=greedy if temperature < 1 else ())
+        chi2, counts, expected, c, mixed = _sample_chi_square(llm, ckpts, temperature, None, None, repeat=2,
+                                                              greedy=greedy if temperature < 1 else ())
         assert chi2 < 23.0, (temperature, counts.tolist(), expected.tolist())
         assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
-        assert not mixed or mixed[0] == want
+        assert mixed == (want if temperature < 1 else [])   # the greedy requests: vanilla's tokens
     assert ok and not bad, (len(ok), len(bad))
     probs = [s for s in seen if s is not None]
     assert probs and all(len(s) == 2 and s[1] == V for s in probs), seen[:5]   # [drafted tokens, V]: probabilities
@@ -621,7 +620,7 @@ def test_sampling_is_lossless_with_prompt_lookup(engines, ckpts):
     llm = engines.get("ctx_lookup")
     lk = drafter_of(llm).lookup
     served = lk.lookup_drafts, lk.falcon_drafts
-    chi2, counts, expected, c = _sample_chi_square(llm, ckpts, 1.0, None, None, repeat=2)
+    chi2, counts, expected, c, _ = _sample_chi_square(llm, ckpts, 1.0, None, None, repeat=2)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())
     assert lk.lookup_drafts > served[0] and lk.falcon_drafts > served[1]  # both kinds of drafts were verified
     assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c
