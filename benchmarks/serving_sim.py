@@ -55,7 +55,10 @@ def chain_drafts(drafter, tokens: torch.Tensor, feats: torch.Tensor, start: int,
 
     Drafter position j reads (tokens[j+1], feats[j]).  One causal pass over all positions gives their K/V;
     at root n the last k positions (n-k..n-1) run again as one relaxed block over the K/V before them, and
-    each further block reads the tokens drafted by the one before and its output features."""
+    each further block reads the tokens drafted by the one before and its output features.  (vLLM's cache
+    keeps, for a position that was in an earlier step's relaxed block, that block's K/V; here every prefix
+    position has its causal K/V.  The two differ from the drafter's second layer on, by as little as
+    ``heldout_eval.py --context causal`` measures against ``relaxed``.)"""
     from falcon_vllm.drafter import chunk_mask
 
     k = drafter.config.k
@@ -169,12 +172,15 @@ def parse_costs(text: str, pass_ms: str) -> tuple[dict, dict]:
         key, _, value = item.partition("=")
         if key not in costs:
             raise SystemExit(f"serving_sim: --costs takes {', '.join(costs)}; got {key!r}")
-        costs[key] = float(value)
+        costs[key] = value
     per = {}
     for item in filter(None, pass_ms.split(",")):
         label, _, value = item.partition("=")
-        per[label] = float(value)
-    return costs, per
+        per[label] = value
+    try:
+        return {k: float(v) for k, v in costs.items()}, {k: float(v) for k, v in per.items()}
+    except ValueError as e:
+        raise SystemExit(f"serving_sim: --costs / --pass-ms take key=<ms>: {e}") from None
 
 
 def main(argv=None) -> int:
