@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cpu_gemm_rows import cpu_name  # noqa: E402
 from profile_step import ROOT  # noqa: E402  (its environment: in-process engine, offline)
+from serving_sim import accepted  # noqa: E402
 
 
 def record(args) -> dict:
@@ -76,16 +77,6 @@ def record(args) -> dict:
         out[ds] = runs
         print(f"{ds}: {sum(len(r['steps']) for r in runs)} steps recorded", file=sys.stderr, flush=True)
     return out
-
-
-def accepted(draft, truth) -> int:
-    """Tokens of ``draft`` the greedy target accepts: the common prefix with its own continuation."""
-    n = 0
-    for d, t in zip(draft, truth):
-        if d != t:
-            break
-        n += 1
-    return n
 
 
 def score(runs) -> dict:

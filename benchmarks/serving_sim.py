@@ -112,39 +112,42 @@ def parse_policy(spec: str, serving: dict | None) -> dict:
     return {"lookup": (K, K, 2, 4), "drafter": 0}  # ngram
 
 
-def _prefix(draft: list[int], true: list[int]) -> int:
-    a = 0
-    while a < len(draft) and a < len(true) and draft[a] == true[a]:
-        a += 1
-    return a
+def accepted(draft, truth) -> int:
+    """Tokens of ``draft`` the greedy target accepts: the common prefix with its own continuation."""
+    n = 0
+    for d, t in zip(draft, truth):
+        if d != t:
+            break
+        n += 1
+    return n
 
 
 def walk(tokens: list[int], start: int, drafts: dict[int, list[int]] | None, policy: dict, k: int = 1) -> list[dict]:
     """Greedy serving of one answer from root ``start`` to the end of ``tokens``: one record per step with the
     accepted drafts, the verified rows and the drafter passes run.  ``drafts``: chain_drafts' output (needed
     when the policy drafts with the drafter); ``k``: the drafter's block size (tokens per pass)."""
-    find = None
-    if policy["lookup"] is not None:
-        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
-    toks = np.asarray(tokens, dtype=np.int32)
+    state = None
+    if policy["lookup"] is not None:  # the proposer's own lookup (vLLM's matcher, its adaptive lengths)
+        from falcon_vllm.vllm.lookup import LookupState
+
+        K, L0, N, M = policy["lookup"]
+        state = LookupState(N, M, policy["drafter"], L0 if L0 < K else None)
+    toks = np.asarray(tokens, dtype=np.int32)[None]
     end = len(tokens) - 1          # the index of the last token to produce
     steps = []
-    n, cur = start, None
+    n = start
     while n < end:
-        draft, passes, looked_up = [], 0, False
-        if find is not None:
-            K, L0, N, M = policy["lookup"]
-            cur = L0 if cur is None else cur
-            draft = find(toks[:n + 1], N, M, 1 << 20, cur).tolist()
-            looked_up = bool(draft)
+        draft, passes = [], 0
+        if state is not None:
+            draft = state.draft(["r"], toks, np.array([n + 1]), None, np.array([True]), K, 1 << 20)[0]
+        looked_up = bool(draft)
         if looked_up:
-            a = _prefix(draft, tokens[n + 1:n + 1 + len(draft)])
-            cur = min(2 * cur, K) if a == len(draft) else L0   # the proposer's adaptive lookup_tokens
+            a = accepted(draft, tokens[n + 1:])
             passes = 1 if policy["drafter"] else 0              # the drafter's chunk pass still runs
         elif policy["drafter"]:
             draft = drafts[n][:policy["drafter"]]
             passes = math.ceil(len(draft) / k)
-            a = _prefix(draft, tokens[n + 1:n + 1 + len(draft)])
+            a = accepted(draft, tokens[n + 1:])
         else:
             a = 0
         a = min(a, end - n - 1)    # the answer ends: only what is left to produce counts

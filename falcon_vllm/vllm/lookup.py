@@ -78,14 +78,21 @@ class LookupState:
         # vLLM drafts for EAGLE before its bookkeeping, from the sampler's tensor (placeholders < 0); with
         # disable_padded_drafter_batch it drafts after it, from lists already appended to token_ids_cpu
         sampled = sampled_token_ids.cpu().numpy()[:B] if torch.is_tensor(sampled_token_ids) else None
+        self.drafts = self.draft(list(batch.req_ids[:B]), batch.token_ids_cpu, batch.num_tokens_no_spec[:B], sampled,
+                                 ~discard, k, runner.max_model_len)
+
+    def draft(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray | None,
+              use: np.ndarray, k: int, max_model_len: int) -> list[list[int]]:
+        """The lookup drafts of one step (:func:`lookup_drafts`' arguments, ``req_ids`` naming the rows), at each
+        request's adaptive length when ``lookup_tokens`` is set (remembered for the next step)."""
         lengths = k
         if self.lookup_tokens is not None:  # also at a budget k <= lookup_tokens: the record stays current
-            hist = batch.num_tokens_no_spec[:B] + (0 if sampled is None else (sampled >= 0).sum(1))
-            lengths = self._lengths(list(batch.req_ids[:B]), hist, k)
-        self.drafts = lookup_drafts(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled, ~discard,
-                                    self.min_n, self.max_n, lengths, runner.max_model_len)
+            hist = num_tokens + (0 if sampled is None else (sampled >= 0).sum(1))
+            lengths = self._lengths(req_ids, hist, k)
+        drafts = lookup_drafts(token_ids, num_tokens, sampled, use, self.min_n, self.max_n, lengths, max_model_len)
         if self.lookup_tokens is not None:
-            self._runs = {r: (int(n), len(d), L) for r, n, d, L in zip(batch.req_ids[:B], hist, self.drafts, lengths)}
+            self._runs = {r: (int(n), len(d), L) for r, n, d, L in zip(req_ids, hist, drafts, lengths)}
+        return drafts
 
     def _lengths(self, req_ids: list[str], hist: np.ndarray, k: int) -> list[int]:
         """Each request's lookup length this step: doubled (up to ``k``) after a lookup draft accepted whole
