@@ -178,7 +178,15 @@ def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
                       eval_every_epoch=False, eval_roots=12, init_from=str(tmp_path / "e" / "vllm-eagle")), **kw)
     e, f = (FalconDrafter.from_pretrained(str(tmp_path / d), target.config) for d in "ef")
     assert all(torch.equal(v, f.state_dict()[n]) for n, v in e.state_dict().items())
-    for bad, what in ((dict(draft_vocab=16), "draft_vocab_size"), (dict(block_order="reversed"), "block_order")):
+    # an EAGLE-1 drafter (k=1) seeds a Falcon drafter of k=2 in either block order: no weight depends on k
+    train(TrainConfig(str(tmp_path / "s"), k=2, fusion="fc", block_order="reversed", epochs=1, batch_size=8,
+                      lr=0.0, draft_vocab=32, eval_every_epoch=False, eval_roots=12,
+                      init_from=str(tmp_path / "e" / "vllm-eagle")), **kw)
+    sd = FalconDrafter.from_pretrained(str(tmp_path / "s"), target.config)
+    assert sd.config.k == 2 and sd.config.extra["training"]["init_from"]["k_from"] == 1
+    assert all(torch.equal(v, sd.state_dict()[n]) for n, v in e.state_dict().items())
+    for bad, what in ((dict(draft_vocab=16), "draft_vocab_size"), (dict(block_order="reversed"), "block_order"),
+                      (dict(k=1), "k 2 \\(run: 1\\)")):  # only a k=1 source seeds another k
         with pytest.raises(ValueError, match=f"another architecture.*{what}"):
             train(replace(base, out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "a"), **bad), **kw)
     # more layers: grown, the new one the identity, so with lr 0 it scores exactly what its source scored

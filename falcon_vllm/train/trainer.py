@@ -390,15 +390,22 @@ def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
     whose architecture must be the same, head and ``d2t`` map included, except that ``drafter`` may have
     more decoder layers: the source's layers fill the first ones and each extra layer starts as the
     identity (its attention and MLP output projections zero), so the grown drafter first predicts exactly
-    what the source did.  Returns the provenance kept in the new drafter's training record:
-    {"drafter": name, "training": the old drafter's own record[, "grown_layers": the new layers]}."""
+    what the source did.  A k=1 source (an EAGLE-1 drafter) may also seed a drafter of any k and block order:
+    no weight depends on either, and in the ``reversed`` order the block's last row, whose prediction is the
+    next token, reads what EAGLE's single row reads.  Returns the provenance kept in the new drafter's
+    training record: {"drafter": name, "training": the old drafter's own record[, "grown_layers": the new
+    layers][, "k_from": 1]}."""
     src = FalconDrafter.load(directory, target_config)
     n_src, n_run = src.config.num_layers, drafter.config.num_layers
+    seeds_k = src.config.k == 1 and drafter.config.k > 1
+    free = {"num_layers"} if n_src < n_run else set()
+    free |= {"k", "block_order"} if seeds_k else set()
     diff = [f"{n} {getattr(src.config, n)!r} (run: {getattr(drafter.config, n)!r})" for n in INIT_FIELDS
-            if getattr(src.config, n) != getattr(drafter.config, n) and not (n == "num_layers" and n_src < n_run)]
+            if getattr(src.config, n) != getattr(drafter.config, n) and n not in free]
     if diff:
         raise ValueError(f"falcon-vllm: train: --init-from {directory} is another architecture than this run's "
-                         "(only more decoder layers may differ): " + ", ".join(diff))
+                         "(only more decoder layers may differ, and k and the block order from a k=1 source): "
+                         + ", ".join(diff))
     drafter.load_state_dict({**drafter.state_dict(), **src.state_dict()})
     with torch.no_grad():
         for layer in drafter.layers[n_src:]:  # residual branches that write nothing: the identity
@@ -407,6 +414,8 @@ def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
     record = {"drafter": os.path.basename(os.path.normpath(directory)), "training": src.config.extra.get("training")}
     if n_src < n_run:
         record["grown_layers"] = list(range(n_src, n_run))
+    if seeds_k:
+        record["k_from"] = 1
     return record
 
 
@@ -974,7 +983,8 @@ def add_arguments(p):
     p.add_argument("--init-from", default=None,
                    help="start from this trained drafter's weights (same architecture and draft head; a new "
                         "optimiser and schedule: e.g. to train a shipped drafter further). With more --layers than "
-                        "it has, the extra layers start as the identity (zero output projections)")
+                        "it has, the extra layers start as the identity (zero output projections); an EAGLE-1 "
+                        "drafter (k=1) may seed a Falcon drafter of any --k and --block-order")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank its LOCAL_RANK GPU)")
