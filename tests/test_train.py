@@ -12,7 +12,8 @@ from falcon_vllm.drafter import FalconDrafter
 from falcon_vllm.reference import FalconReferenceEngine
 from falcon_vllm.testing import tiny_llama
 from falcon_vllm.train.gen_data import Sample, generate_and_featurize, iter_sharegpt, load_shards, write_shard
-from falcon_vllm.train.trainer import TrainConfig, apply_glance, glance_positions, losses, make_batch, forward, train
+from falcon_vllm.train.trainer import (TrainConfig, apply_glance, forward, glance_positions, losses, make_batch,
+                                       phase_batch, train)
 
 torch.set_num_threads(1)
 
@@ -105,6 +106,15 @@ def test_block_phase_trim_moves_block_levels(data):
         for j in range(1, L):
             assert bool(b["attn"][i, j - 1, j]) == (j in ends_b)
         assert (ends_a & ends_b) == (set() if L != La else ends_a)
+    # "both": every conversation once per trim, so every position ends a block (level 1) in exactly one copy
+    c = make_batch(*phase_batch(data[:3], TrainConfig("unused", k=k, block_phase="both"), random.Random(0)))
+    assert c["lengths"].tolist() == [int(a["lengths"][i]) - t for i in range(3) for t in range(k)]
+    for i in range(3):
+        L0 = int(c["lengths"][2 * i])
+        for key in ("ids_in", "lbl_ids", "feat_in", "feat_lbl", "loss"):
+            assert torch.equal(c[key][2 * i, :L0], a[key][i, :L0])
+        ends = [{j for j in range(L) if (L - 1 - j) % k == 0} for L in c["lengths"][2 * i:2 * i + 2].tolist()]
+        assert all((j in ends[0]) != (j in ends[1]) for j in range(L0 - 1))
     with pytest.raises(ValueError, match="block_phase"):
         train(TrainConfig("unused", k=2, block_phase="rnadom"), samples=data, target=None)
     with pytest.raises(ValueError, match="token-loss weight"):

@@ -49,7 +49,9 @@ def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | No
     ``trim[b]`` drops that many of sample b's last positions.  Blocks are aligned to the end, so a
     position's block level is fixed by its distance to the end: a random trim in [0, k) (the
     trainer's ``block_phase="random"``) gives every position every level across epochs, where a
-    fixed end trains level 1 on the same half (k=2) of the positions every epoch.
+    fixed end trains level 1 on the same half (k=2) of the positions every epoch; ``"both"`` puts
+    each conversation into its batch k times, trimmed 0..k-1, so every position trains every level
+    in every step (k times the compute of a step).
 
     Returns dict with ids_in [B,T] (x_{j+1}), feat_in [B,T,W] (f_j, then its aux states: W = H + aux width),
     feat_lbl [B,T,H] (f_{j+k}),
@@ -91,6 +93,16 @@ def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | No
     extra = t if teach else {}
     return {**extra, "ids_in": ids_in, "feat_in": feat_in, "feat_lbl": feat_lbl, "lbl_ids": lbl_ids, "loss": loss,
             "attn": attn, "lengths": torch.tensor(lens)}
+
+
+def phase_batch(samples: list[Sample], cfg, rng: random.Random) -> tuple:
+    """``make_batch``'s arguments for one step under ``cfg.block_phase`` (see ``make_batch``): fixed, a
+    random trim per conversation, or every conversation once per trim 0..k-1."""
+    if cfg.k == 1 or cfg.block_phase == "fixed":
+        return samples, cfg.k, cfg.max_len, None
+    if cfg.block_phase == "random":
+        return samples, cfg.k, cfg.max_len, [rng.randrange(cfg.k) for _ in samples]
+    return [s for s in samples for _ in range(cfg.k)], cfg.k, cfg.max_len, list(range(cfg.k)) * len(samples)
 
 
 @torch.inference_mode()
@@ -556,7 +568,7 @@ class TrainConfig:
     eval_roots: int = 240                 # held-out tree roots for the final simulated tau
     draft_vocab: int | None = None        # truncated draft head over the N most frequent answer tokens
     block_order: str = "forward"          # forward (the paper's) | reversed: level 1 from the block's last row
-    block_phase: str = "fixed"            # fixed | random: each step trims 0..k-1 last positions (make_batch)
+    block_phase: str = "fixed"            # fixed | random | both: trims of 0..k-1 last positions (make_batch)
     max_conversations: int | None = None  # train on the first N training conversations only
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
     train_draft_head: bool = True         # train a truncated head (False: keep the target's rows)
@@ -640,8 +652,9 @@ def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, lo
 def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     from tqdm import tqdm
 
-    if cfg.block_phase not in ("fixed", "random"):
-        raise ValueError(f"falcon-vllm: train: block_phase must be 'fixed' or 'random', not {cfg.block_phase!r}")
+    if cfg.block_phase not in ("fixed", "random", "both"):
+        raise ValueError("falcon-vllm: train: block_phase must be 'fixed', 'random' or 'both', not "
+                         f"{cfg.block_phase!r}")
     if not cfg.w_dist >= 0:
         raise ValueError(f"falcon-vllm: train: the token-loss weight must be >= 0, not {cfg.w_dist!r}")
     if cfg.level_weights and (len(cfg.level_weights) != cfg.k or min(cfg.level_weights) < 0
@@ -752,9 +765,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         for bi in range(state["step"] % steps_per_epoch, len(batches)):
             if state["step"] >= total:
                 break
-            trim = ([rng.randrange(cfg.k) for _ in batches[bi]] if cfg.block_phase == "random" and cfg.k > 1
-                    else None)
-            batch = to_device(make_batch([train_set[j] for j in batches[bi]], cfg.k, cfg.max_len, trim), device)
+            batch = to_device(make_batch(*phase_batch([train_set[j] for j in batches[bi]], cfg, rng)), device)
             out = train_step(drafter, net, opt, sched, batch, epoch, cfg, rng, gen)
             state["step"] += 1
             bar.update(1)
@@ -971,9 +982,11 @@ def add_arguments(p):
     p.add_argument("--aux-layers", default="",
                    help="comma-separated target layers whose input states the drafter also reads (EAGLE-3's "
                         "low/mid/high features); the data must have been made with the same gen-data --aux-layers")
-    p.add_argument("--block-phase", choices=["fixed", "random"], default="fixed",
+    p.add_argument("--block-phase", choices=["fixed", "random", "both"], default="fixed",
                    help="random: each step trims 0..k-1 of a conversation's last positions, so every position "
-                        "trains every block level across epochs (fixed: the same level each epoch)")
+                        "trains every block level across epochs; both: every conversation k times per step, "
+                        "once per trim, so every position trains every level in every step (k times the "
+                        "compute); fixed: the same level each epoch")
     p.add_argument("--extra-data", default=None,
                    help="gen-data directories (comma-separated) trained on after --data's training conversations and "
                         "never held out, e.g. the later turns of those conversations (gen-data --loss-from-turn 2); "
