@@ -107,7 +107,8 @@ def test_block_phase_trim_moves_block_levels(data):
             assert bool(b["attn"][i, j - 1, j]) == (j in ends_b)
         assert (ends_a & ends_b) == (set() if L != La else ends_a)
     # "both": every conversation once per trim, so every position ends a block (level 1) in exactly one copy
-    c = make_batch(*phase_batch(data[:3], TrainConfig("unused", k=k, block_phase="both"), random.Random(0)))
+    both, trim = phase_batch(data[:3], TrainConfig("unused", k=k, block_phase="both"), random.Random(0))
+    c = make_batch(both, k, 64, trim)
     assert c["lengths"].tolist() == [int(a["lengths"][i]) - t for i in range(3) for t in range(k)]
     for i in range(3):
         L0 = int(c["lengths"][2 * i])

@@ -95,14 +95,14 @@ def make_batch(samples: list[Sample], k: int, max_len: int, trim: list[int] | No
             "attn": attn, "lengths": torch.tensor(lens)}
 
 
-def phase_batch(samples: list[Sample], cfg, rng: random.Random) -> tuple:
-    """``make_batch``'s arguments for one step under ``cfg.block_phase`` (see ``make_batch``): fixed, a
-    random trim per conversation, or every conversation once per trim 0..k-1."""
+def phase_batch(samples: list[Sample], cfg, rng: random.Random) -> tuple[list[Sample], list[int] | None]:
+    """The conversations of one step and ``make_batch``'s ``trim`` for them under ``cfg.block_phase``: fixed
+    (no trim), a random trim per conversation, or every conversation once per trim 0..k-1."""
     if cfg.k == 1 or cfg.block_phase == "fixed":
-        return samples, cfg.k, cfg.max_len, None
+        return samples, None
     if cfg.block_phase == "random":
-        return samples, cfg.k, cfg.max_len, [rng.randrange(cfg.k) for _ in samples]
-    return [s for s in samples for _ in range(cfg.k)], cfg.k, cfg.max_len, list(range(cfg.k)) * len(samples)
+        return samples, [rng.randrange(cfg.k) for _ in samples]
+    return [s for s in samples for _ in range(cfg.k)], list(range(cfg.k)) * len(samples)
 
 
 @torch.inference_mode()
@@ -765,7 +765,8 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
         for bi in range(state["step"] % steps_per_epoch, len(batches)):
             if state["step"] >= total:
                 break
-            batch = to_device(make_batch(*phase_batch([train_set[j] for j in batches[bi]], cfg, rng)), device)
+            step_samples, trim = phase_batch([train_set[j] for j in batches[bi]], cfg, rng)
+            batch = to_device(make_batch(step_samples, cfg.k, cfg.max_len, trim), device)
             out = train_step(drafter, net, opt, sched, batch, epoch, cfg, rng, gen)
             state["step"] += 1
             bar.update(1)
