@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--pipeline", action="store_true",
                    help="instead: the fused-half merge over key tile (block_n) x pipeline stages x in-flight keys "
                      "shared among the splits or not (balance) x splits")
+    p.add_argument("--launches", type=int, default=0,
+                   help="instead: only this many eager launches of the goal shape's default (for Nsight Compute: "
+                        "ncu --kernel-name _tree_attn_fwd --launch-skip 2 --launch-count 1 ...)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args(argv)
     if a.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -108,18 +111,29 @@ def main(argv=None) -> int:
     if not a.smoke and not torch.cuda.is_available():
         print("profile_tree_attention: needs a CUDA GPU (or --smoke on CPU)", file=sys.stderr)
         return 2
+    if a.launches:
+        Hq, Hkv, D = HEADS[GOAL[0]]
+        case, _ = make_case(1, GOAL[1], GOAL[2], Hq, Hkv, D, torch.float16, "cuda")
+        for _ in range(a.launches):
+            tree_attention(**case, scale=D ** -0.5, max_query_len=GOAL[1], max_prefix_len=GOAL[2])
+        torch.cuda.synchronize()
+        print("config:", default_config(GOAL[1], Hq // Hkv, D))
+        return 0
     dev = "CPU, Triton interpreter (timings mean nothing)" if a.smoke else torch.cuda.get_device_name()
     peak = None if a.smoke else peak_bandwidth(dev)
     res = {"device": dev, "torch": torch.__version__, "timing": "median of CUDA-graph replays (do_bench)",
            "command": "python benchmarks/profile_tree_attention.py " + " ".join(argv or sys.argv[1:]), "shapes": []}
     tiles = ({"block_m": 64, "num_warps": 4}, {"block_m": 128, "num_warps": 8})
     if a.pipeline:
-        pipe = [{"block_n": n, "num_stages": st, "balance": bal} for n in (64, 128) for st in (3, 4)
-                for bal in (False, True)]
+        pipe = [{"block_n": n, "num_stages": 3, "balance": bal} for n in (64, 128) for bal in (False, True)]
+        # the goal shape also with 128-row tiles (MHA: one tile per head reads the prefix once) and 32-key tiles
+        goal_pipe = [{"block_m": m, "num_warps": w, "block_n": n, "num_stages": 3, "balance": bal}
+                     for m, w in ((64, 4), (128, 8)) for n in (32, 64) for bal in (False, True)]
         shapes = ([(GOAL[0], 6, 40, (None, 4))] if a.smoke else
-                  [(*GOAL, (4, 8)), ("7b", 64, 2048, (4, 8)), ("7b", 8, 4096, (8, 16, 32)), ("7b", 32, 2048, (8, 16))])
+                  [(*GOAL, (4, 8)), ("7b", 64, 2048, (4, 8)), ("7b", 8, 4096, (8, 16)), ("7b", 32, 2048, (8, 16))])
         for heads, W, P, spl in shapes:
-            rows, prof = run_shape(heads, W, P, pipe[:2] if a.smoke else pipe, spl, peak, a.smoke, ("fused-half",))
+            tiles_here = pipe[:2] if a.smoke else goal_pipe if (heads, W, P) == GOAL else pipe
+            rows, prof = run_shape(heads, W, P, tiles_here, spl, peak, a.smoke, ("fused-half",))
             res["shapes"].append({"shape": (heads, W, P), "rows": rows, "launch_us": prof})
     goal, other = ((GOAL[0], 6, 40), [("7b", 3, 20)]) if a.smoke else (GOAL, OTHER)
     if not a.pipeline:
