@@ -25,8 +25,8 @@ own functions (``falcon_vllm.vllm.tree_verify`` / ``tree_draft`` / ``paged_kv``)
   positions and hidden states; ``sampler-128k`` (CUDA only): B=64, a 128k vocabulary, peak memory.
 
 On CUDA every piece also gets its host syncs counted (``torch.cuda.set_sync_debug_mode("warn")``; the
-target attention and the compaction kernel must have none) and attributed to the Python lines that caused
-them, its peak extra memory and its time (CUDA events, median).  On CPU those columns are skipped.  vLLM
+target attention, the drafter's kernel path and the compaction kernel must have none) and attributed to the
+Python lines that caused them, its peak extra memory and its time (CUDA events, median).  On CPU those columns are skipped.  vLLM
 objects the pieces need are vLLM's own when ``import vllm`` works (or stand-ins with ``--stub-vllm``), else
 minimal stand-ins installed in ``sys.modules`` for the run: the attention impl (its class name and ``scale``),
 ``FlashAttentionMetadata`` and ``SamplerOutput``.  The runner, its input batch and sampling metadata are
@@ -692,7 +692,8 @@ def check_draft_path(ck: Checker, st: Step, path: str):
                     note=f"{len(passes)} tree passes x {len(names)} layers")
 
     if passes:
-        ck.piece(case.id, "draft", path, prepare, run, check, per=max(1, len(passes) * len(names)))
+        ck.piece(case.id, "draft", path, prepare, run, check, per=max(1, len(passes) * len(names)),
+                 max_syncs=0 if path == "triton" else None)
 
 
 def accepted_paths(st: Step) -> dict[int, list[int]]:

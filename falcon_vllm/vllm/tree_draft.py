@@ -186,8 +186,12 @@ class DraftTreeAttention:
             dev = self.prefix_lens.device
             nq, nk = self.own.shape
             r = torch.arange(self.B + 1, dtype=torch.int32)
-            self._bits = (pack_mask_rows(self.own).repeat(self.B, 1).to(dev), (r * nq).to(dev), (r * nk).to(dev),
-                          self.prefix_lens.to(torch.int32))
+            bits = pack_mask_rows(self.own).repeat(self.B, 1)
+            flat = torch.cat([bits.flatten(), r * nq, r * nk])
+            if dev.type == "cuda":  # one copy from pinned memory, queued without waiting for the device
+                flat = flat.pin_memory().to(dev, non_blocking=True)
+            n, m = bits.numel(), self.B + 1
+            self._bits = (flat[:n].view(bits.shape), flat[n:n + m], flat[n + m:], self.prefix_lens.to(torch.int32))
         return self._bits
 
     def _padded_prefix(self, name, kc, vc):
