@@ -126,9 +126,11 @@ def main(argv=None) -> int:
     tiles = ({"block_m": 64, "num_warps": 4}, {"block_m": 128, "num_warps": 8})
     if a.pipeline:
         pipe = [{"block_n": n, "num_stages": 3, "balance": bal} for n in (64, 128) for bal in (False, True)]
-        # the goal shape also with 128-row tiles (MHA: one tile per head reads the prefix once) and 32-key tiles
-        goal_pipe = [{"block_m": m, "num_warps": w, "block_n": n, "num_stages": 3, "balance": bal}
-                     for m, w in ((64, 4), (128, 8)) for n in (32, 64) for bal in (False, True)]
+        # the goal shape also with 64-row tiles over 8 warps (Nsight Compute, ncu_b1_goal_h100.txt: 208 registers
+        # per thread at 4 warps hold an SM to 2 programs) and 128-row tiles (MHA: one tile per head reads the
+        # prefix once), 2 or 3 stages, 32- or 64-key tiles
+        goal_pipe = [{"block_m": m, "num_warps": w, "block_n": n, "num_stages": st}
+                     for m, w in ((64, 4), (64, 8), (128, 8)) for n in (32, 64) for st in (2, 3)]
         shapes = ([(GOAL[0], 6, 40, (None, 4))] if a.smoke else
                   [(*GOAL, (4, 8)), ("7b", 64, 2048, (4, 8)), ("7b", 8, 4096, (8, 16)), ("7b", 32, 2048, (8, 16))])
         for heads, W, P, spl in shapes:
