@@ -26,12 +26,12 @@ own functions (``falcon_vllm.vllm.tree_verify`` / ``tree_draft`` / ``paged_kv``)
 
 On CUDA every piece also gets its host syncs counted (``torch.cuda.set_sync_debug_mode("warn")``; the
 target attention, the drafter's kernel path and the compaction kernel must have none) and attributed to the
-Python lines that caused them, its peak extra memory and its time (CUDA events, median).  On CPU those columns are skipped.  vLLM
-objects the pieces need are vLLM's own when ``import vllm`` works (or stand-ins with ``--stub-vllm``), else
-minimal stand-ins installed in ``sys.modules`` for the run: the attention impl (its class name and ``scale``),
-``FlashAttentionMetadata`` and ``SamplerOutput``.  The runner, its input batch and sampling metadata are
-duck-typed namespaces either way (vLLM needs an engine to build them).  Results: a table on stdout,
-``<out-dir>/<name>.{json,md}``; exit status 1 if any check fails.
+Python lines that caused them, its peak extra memory and its time (CUDA events, median).  On CPU those
+columns are skipped.  vLLM objects the pieces need are vLLM's own when ``import vllm`` works (or stand-ins
+with ``--stub-vllm``), else minimal stand-ins installed in ``sys.modules`` for the run: the attention impl (its
+class name and ``scale``), ``FlashAttentionMetadata`` and ``SamplerOutput``.  The runner, its input batch and
+sampling metadata are duck-typed namespaces either way (vLLM needs an engine to build them).  Results: a table
+on stdout, ``<out-dir>/<name>.{json,md}``; exit status 1 if any check fails.
 """
 
 from __future__ import annotations

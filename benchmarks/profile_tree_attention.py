@@ -99,8 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="kernels_b1_variants")
     p.add_argument("--smoke", action="store_true", help="CPU: two tiny shapes under TRITON_INTERPRET=1")
     p.add_argument("--pipeline", action="store_true",
-                   help="instead: the fused-half merge over key tile (block_n) x pipeline stages x in-flight keys "
-                     "shared among the splits or not (balance) x splits")
+                   help="instead: the fused-half merge over key tile (block_n) x pipeline stages x splits, the goal "
+                        "shape also over tile rows x warps, the others over in-flight keys shared among the splits "
+                        "or not (balance)")
     p.add_argument("--launches", type=int, default=0,
                    help="instead: only this many eager launches of the goal shape's default (for Nsight Compute: "
                         "ncu --kernel-name _tree_attn_fwd --launch-skip 2 --launch-count 1 ...)")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         for _ in range(a.launches):
             tree_attention(**case, scale=D ** -0.5, max_query_len=GOAL[1], max_prefix_len=GOAL[2])
         torch.cuda.synchronize()
-        print("config:", default_config(GOAL[1], Hq // Hkv, D))
+        print("default_config:", default_config(GOAL[1], Hq // Hkv, D), "(num_stages 3 where the prefix is split)")
         return 0
     dev = "CPU, Triton interpreter (timings mean nothing)" if a.smoke else torch.cuda.get_device_name()
     peak = None if a.smoke else peak_bandwidth(dev)
