@@ -41,6 +41,9 @@ class FalconConfig:
     # which block position outputs which level: "forward" (the paper's: position r of a block -> level r+1)
     # or "reversed" (the block's last position, the one whose input is newest, -> level 1; see drafter.py)
     block_order: str = "forward"
+    # a learned vector per block row (offset 0..k-1 inside its end-aligned block) added to the fused input:
+    # rows of one block see the same keys, so without it a row tells its level only through rotary offsets
+    level_embedding: bool = False
     max_position_embeddings: int = 4096
     model_type: str = "llama"
     tree: str | None = None           # default decoding tree (preset name or list string)
@@ -158,6 +161,7 @@ class FalconConfig:
                 "fusion": self.fusion,
                 "fc_bias": self.fc_bias,
                 **({"block_order": self.block_order} if self.block_order != "forward" else {}),
+                **({"level_embedding": True} if self.level_embedding else {}),
                 **({"aux_layers": list(self.aux_layers)} if self.aux_layers else {}),
                 "tree": self.tree,
                 "target": self.target,
@@ -187,6 +191,7 @@ class FalconConfig:
                 fusion=f.get("fusion", "lstm"),
                 fc_bias=bool(f.get("fc_bias", False)),
                 block_order=f.get("block_order", "forward"),
+                level_embedding=bool(f.get("level_embedding", False)),
                 aux_layers=tuple(f.get("aux_layers", ())),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),

@@ -229,6 +229,8 @@ class FalconDrafter(nn.Module):
             self.aux_norm = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.aux_layers)
             self.aux_proj = nn.Linear(len(cfg.aux_layers) * H, H, bias=False)
             nn.init.zeros_(self.aux_proj.weight)  # starts as the drafter without them
+        if cfg.level_embedding:  # [k, H], zero-initialised: starts as the drafter without it
+            self.level_emb = nn.Parameter(torch.zeros(cfg.k, H))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self._target: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         if cfg.draft_vocab_size:  # own head over N target tokens; d2t: target id = draft id + d2t[draft id]
@@ -331,6 +333,8 @@ class FalconDrafter(nn.Module):
         if mask.dim() == 2:
             mask = mask.expand(token_embeds.shape[0], *mask.shape)
         x = self.fuse(token_embeds, features)
+        if self.config.level_embedding:  # each row's offset inside its end-aligned block
+            x = x + self.level_emb.to(x.dtype)[block_offsets(x.shape[1], self.k, lengths, x.device)]
         new_kv: KVCache = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, mask, past[i] if past is not None else None)

@@ -1,4 +1,5 @@
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -194,6 +195,45 @@ def test_reversed_block_order(tmp_path, target, k):
         assert not torch.allclose(y[first:L], x[first:L], atol=1e-3)
     assert all(torch.equal(p, q) for (p, _), (q, _) in zip(kv_a, kv_b))     # the KV does not change
 
+
+
+def test_level_embedding(tmp_path, target):
+    """A level embedding adds one learned vector per block row (its offset inside the end-aligned k-block) to the
+    fused input.  It starts at zero (the drafter without it), is saved and loaded with the drafter, and a row's
+    vector follows its offset: padding moves the blocks, and with them the vectors."""
+    k, H = 2, target.config.hidden_size
+    plain = random_drafter(target, k=k, fusion="fc", seed=7, block_order="reversed")
+    lev = FalconDrafter(replace(plain.config, level_embedding=True)).eval()
+    assert lev.level_emb.shape == (k, H) and not lev.level_emb.any()
+    lev.load_state_dict({**plain.state_dict(), "level_emb": lev.level_emb.detach()})
+    g = torch.Generator().manual_seed(0)
+    T = 7
+    emb, feats, pos = torch.randn(1, T, H, generator=g), torch.randn(1, T, H, generator=g), torch.arange(T)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(lev(emb, feats, pos, chunk_mask(0, T, k))[0],
+                                   plain(emb, feats, pos, chunk_mask(0, T, k))[0])
+        lev.level_emb.normal_(generator=g)
+    lev.save_pretrained(str(tmp_path))
+    assert lev.config.to_hf_dict()["falcon"]["level_embedding"] is True
+    assert "level_embedding" not in plain.config.to_hf_dict()["falcon"]
+    back = FalconDrafter.from_pretrained(str(tmp_path), target.config)
+    assert back.config.level_embedding and torch.equal(back.level_emb, lev.level_emb)
+    # row j of a row of length L gets the vector of offset (j - L) mod k: 1 (the last) for a partial first block
+    lengths = torch.tensor([T, 6])
+    emb2, feats2, pos2 = emb.expand(2, T, H), feats.expand(2, T, H), pos.expand(2, T)
+    mask = torch.stack([chunk_mask(0, T, k)] + [torch.eye(T, dtype=torch.bool)])
+    mask[1, :6, :6] = chunk_mask(0, 6, k)
+    offsets = torch.tensor([[1, 0, 1, 0, 1, 0, 1], [0, 1, 0, 1, 0, 1, 0]])  # row 1's last: padding
+    orig = plain.fuse
+    plain.fuse = lambda e, f: orig(e, f) + back.level_emb[offsets]
+    with torch.no_grad():
+        got = back(emb2, feats2, pos2, mask, lengths=lengths)[0]
+        want = plain(emb2, feats2, pos2, mask, lengths=lengths)[0]
+        plain.fuse = orig
+        without = plain(emb2, feats2, pos2, mask, lengths=lengths)[0]
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1, :6], want[1, :6])
+    assert not torch.allclose(got[0], without[0], atol=1e-3)                 # the vectors are used
 
 
 @pytest.mark.parametrize("L", [7, 8])

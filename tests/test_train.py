@@ -211,6 +211,15 @@ def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
     assert gd.layers[1].self_attn.q_proj.weight.any()                  # the rest of the layer is initialised
     with pytest.raises(ValueError, match="another architecture.*num_layers 2 \\(run: 1\\)"):  # never shrunk
         train(replace(base, out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "g")), **kw)
+    # a level embedding starts at zero: a drafter without one seeds it and scores what it scored; never dropped
+    lv = train(replace(base, out_dir=str(tmp_path / "l"), lr=0.0, level_embedding=True, init_from=str(tmp_path / "a")),
+               **kw)
+    assert {n: lv["final"][n] for n in ("top1_by_block_position", "sim_tau")} == \
+        {n: b_final[n] for n in ("top1_by_block_position", "sim_tau")}
+    ld = FalconDrafter.from_pretrained(str(tmp_path / "l"), target.config)
+    assert ld.config.level_embedding and not ld.level_emb.any()
+    with pytest.raises(ValueError, match="another architecture.*level_embedding True \\(run: False\\)"):
+        train(replace(base, out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "l")), **kw)
 
 
 def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):

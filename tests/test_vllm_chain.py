@@ -56,9 +56,10 @@ def ckpts(tmp_path_factory):
     rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
     save_target(rnd, str(base / "rnd"))
     random_drafter(rnd, k=3, fusion="lstm").save_pretrained(str(base / "rnd_lstm_k3"))
-    random_drafter(rnd, k=3, fusion="fc", seed=6, block_order="reversed").save_pretrained(
+    random_drafter(rnd, k=3, fusion="fc", seed=6, block_order="reversed", level_embedding=True).save_pretrained(
         str(base / "rnd_fc_k3_rev"))
-    random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3).save_pretrained(str(base / "rnd_fc2_k2"))
+    random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3, level_embedding=True).save_pretrained(
+        str(base / "rnd_fc2_k2"))
     return {"dir": base, "inc": inc, "rnd": rnd, "ctx": ctx, "half": half}
 
 
@@ -343,7 +344,8 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
 def test_fused_chunk_pass_equals_two_passes(engines, ckpts, name):
     """On CPU the chunk pass and the relaxed block run as one drafter pass (per-request causal flags); with a
     2-layer drafter (whose block sees the chunk's layer-1 K/V, which depends on the chunk's causal mask) every
-    step's drafts equal those of the two separate passes, padded and unpadded drafter batches alike."""
+    step's drafts equal those of the two separate passes, padded and unpadded drafter batches alike (the drafter has
+    a level embedding: both give the chunk's rows their offsets from each request's end)."""
     ref = ckpts.get("vanilla")
     if ref is None:
         pytest.skip("needs test_vanilla_reference")
@@ -367,7 +369,8 @@ def test_fused_chunk_pass_equals_two_passes(engines, ckpts, name):
 @pytest.mark.parametrize("name,drafter_dir", [("falcon_rnd_k3", "rnd_lstm_k3"), ("falcon_rnd_k3_rev", "rnd_fc_k3_rev")])
 def test_drafts_match_reference_engine(engines, ckpts, name, drafter_dir):
     """vLLM's SAR drafts (relaxed block + stash + block passes) equal the reference engine's, for the
-    paper's block order and the reversed one (level 1 from the block's last row).
+    paper's block order and the reversed one (level 1 from the block's last row) with a level embedding
+    (the chunk's rows offset from each request's end, the blocks' rows 0..k-1, as the reference lays them out).
 
     The random drafter is rejected at almost every step, so nearly every relaxed block takes its
     older k-1 rows from the stash.  Prompts shorter than k are compared from round k on (the
@@ -387,6 +390,7 @@ def test_drafts_match_reference_engine(engines, ckpts, name, drafter_dir):
         del prop.propose
     drafter = FalconDrafter.from_pretrained(str(ckpts["dir"] / drafter_dir))
     assert drafter.config.block_order == ("reversed" if name.endswith("_rev") else "forward")
+    assert drafter.config.level_embedding == name.endswith("_rev")
     eng = FalconReferenceEngine(ckpts["rnd"], drafter, tree=f"chain-{K}")
     for p, toks, o in zip(prompts, tokens, outs):
         ref_tokens, ref_drafts = reference_drafts(eng, p, 24)

@@ -47,7 +47,7 @@ def ckpts(tmp_path_factory):
     rnd = tiny_llama(vocab=V, hidden=64, heads=2, kv_heads=1, seed=5)
     save_target(rnd, str(base / "rnd"))
     random_drafter(rnd, k=2, fusion="lstm").save_pretrained(str(base / "rnd_k2"))
-    random_drafter(rnd, k=2, fusion="fc", seed=8, block_order="reversed").save_pretrained(
+    random_drafter(rnd, k=2, fusion="fc", seed=8, block_order="reversed", level_embedding=True).save_pretrained(
         str(base / "rnd_k2_rev"))
     random_drafter(rnd, k=3, fusion="fc", num_layers=2, seed=4).save_pretrained(str(base / "rnd_k3"))
     _tuned_file(base / "tuned.json")
@@ -171,7 +171,8 @@ def test_logprobs_match_vanilla(engines, ckpts):
 def test_tree_drafts_match_reference_engine(engines, ckpts, name, batch):
     """vLLM's SAR tree drafting (paged prefix + step-local ancestor blocks, one batched attention call per
     drafter pass over all requests and blocks) equals the reference engine's, request by request (the
-    paper's block order, and the reversed one; 1-layer drafters: see the proposer's docstring)."""
+    paper's block order, and the reversed one with a level embedding; 1-layer drafters: see the proposer's
+    docstring)."""
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.reference import FalconReferenceEngine
 

@@ -394,7 +394,8 @@ def second_pass(drafter, ids, pred, kv, batch, k: int, net=None):
 
 
 INIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
-               "head_dim", "num_layers", "k", "fusion", "fc_bias", "block_order", "draft_vocab_size", "aux_layers")
+               "head_dim", "num_layers", "k", "fusion", "fc_bias", "block_order", "draft_vocab_size", "aux_layers",
+               "level_embedding")
 
 
 def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
@@ -412,6 +413,7 @@ def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
     seeds_k = src.config.k == 1 and drafter.config.k > 1
     free = {"num_layers"} if n_src < n_run else set()
     free |= {"k", "block_order"} if seeds_k else set()
+    free |= {"level_embedding"} if not src.config.level_embedding else set()  # it starts at zero: the same drafter
     diff = [f"{n} {getattr(src.config, n)!r} (run: {getattr(drafter.config, n)!r})" for n in INIT_FIELDS
             if getattr(src.config, n) != getattr(drafter.config, n) and n not in free]
     if diff:
@@ -568,6 +570,7 @@ class TrainConfig:
     eval_roots: int = 240                 # held-out tree roots for the final simulated tau
     draft_vocab: int | None = None        # truncated draft head over the N most frequent answer tokens
     block_order: str = "forward"          # forward (the paper's) | reversed: level 1 from the block's last row
+    level_embedding: bool = False         # a learned vector per block row added to the fused input
     block_phase: str = "fixed"            # fixed | random | both: trims of 0..k-1 last positions (make_batch)
     max_conversations: int | None = None  # train on the first N training conversations only
     device: str = "cpu"                   # cpu | cuda (under torchrun: each rank its LOCAL_RANK GPU)
@@ -709,7 +712,7 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
     train_set = train_set + extra
     dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
                                     draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order,
-                                    aux_layers=tuple(cfg.aux_layers))
+                                    level_embedding=cfg.level_embedding, aux_layers=tuple(cfg.aux_layers))
     drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     init_record = None
@@ -972,6 +975,8 @@ def add_arguments(p):
     p.add_argument("--block-order", choices=["forward", "reversed"], default="forward",
                    help="which block row outputs the next token: forward = the block's first (the paper's), "
                         "reversed = its last, whose input is the newest")
+    p.add_argument("--level-embedding", action="store_true",
+                   help="a learned vector per block row (its offset inside the k-block) added to the fused input")
     p.add_argument("--token-weight", type=float, default=0.1,
                    help="weight of the token losses (soft + CE) against the feature regression (the paper's 0.1)")
     p.add_argument("--level-weights", default="",
@@ -1029,6 +1034,7 @@ def main(args):
                       eval_roots=args.eval_roots, draft_vocab=args.draft_vocab,
                       max_conversations=args.max_conversations, device=args.device,
                       train_draft_head=not args.freeze_draft_head, block_order=args.block_order,
+                      level_embedding=args.level_embedding,
                       block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight,
                       aux_layers=layer_list(args.aux_layers), second_pass=args.second_pass,
                       level_weights=tuple(float(x) for x in args.level_weights.split(",") if x.strip()))

@@ -107,13 +107,27 @@ class FalconDraftModel(nn.Module):
             self.fc = ReplicatedLinear(input_size=2 * H, output_size=H, bias=bool(falcon.get("fc_bias", False)),
                                        params_dtype=vllm_config.model_config.dtype,
                                        prefix=maybe_prefix(prefix, "fc"), return_bias=False)
+        # level embedding (FalconConfig.level_embedding): one vector per block row, added to the fused input;
+        # the proposer gives each pass its rows' offsets (set_level_offsets)
+        self.level_emb = (nn.Parameter(torch.zeros(int(falcon.get("k", 2)), H, dtype=vllm_config.model_config.dtype),
+                                       requires_grad=False) if falcon.get("level_embedding") else None)
+        self._level_offsets: torch.Tensor | None = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def set_level_offsets(self, offsets: torch.Tensor) -> None:
+        """The next pass's row offsets [T] inside their k-blocks (0 = a block's oldest row); used once."""
+        self._level_offsets = offsets
+
     def forward(self, input_ids, positions, hidden_states):
         x = torch.cat((self.embed_tokens(input_ids), hidden_states), dim=-1)  # [T, 2H], embedding first
         h = self.lstm(x[None])[0] if self.fusion == "lstm" else self.fc(x)
+        if self.level_emb is not None:
+            off, self._level_offsets = self._level_offsets, None
+            if off is None:  # vLLM's warm-up and profiling runs (no request): any offset
+                off = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+            h = h + self.level_emb[off[:h.shape[0]]].to(h.dtype)
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)

@@ -92,6 +92,8 @@ class FalconProposer(EagleProposer):
         self.k = int(self.falcon["k"]) if self.falcon else 1
         # block_order "reversed": a block's last row outputs level 1 (FalconDrafter.forward's level_order)
         self.reversed_blocks = bool(self.falcon) and self.falcon.get("block_order", "forward") == "reversed"
+        # level embedding: each pass tells the drafter its rows' offsets inside their k-blocks (_set_offsets)
+        self.level_embedding = bool(self.falcon) and bool(self.falcon.get("level_embedding"))
         self.steps = 0   # propose() calls that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
@@ -182,6 +184,7 @@ class FalconProposer(EagleProposer):
             self.passes += drafting
         else:
             # chunk pass: stock causal EAGLE pass over every verified token (writes the drafter KV)
+            self._set_offsets(self._chunk_offsets(cad, num_tokens, positions))
             self._forward(self.build_per_group_and_layer_attn_metadata(cad)[1], num_tokens, cad.slot_mapping)
             rows = None
         if not drafting:
@@ -240,6 +243,7 @@ class FalconProposer(EagleProposer):
         n = NB * k
         flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
         self._set_rows(0, ids, feats, flat_pos)
+        self._set_offsets(self._block_offsets(NB, ids.device))
         per_layer = {name: None for name in self._draft_attn_layer_names}
         with tree_attention_scope(attn), set_forward_context(per_layer, self.vllm_config, num_tokens=n,
                                                              cudagraph_runtime_mode=CUDAGraphMode.NONE,
@@ -304,6 +308,7 @@ class FalconProposer(EagleProposer):
             _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(blk_cad, draft_index=1)
         self._set_rows(0, ids, feats, flat_pos)
+        self._set_offsets(self._block_offsets(B, ids.device))
         out = self._forward(per_layer, n, slot_mapping)
         self.passes += 1
         out = out[:n].view(B, k, -1)
@@ -346,9 +351,31 @@ class FalconProposer(EagleProposer):
             positions=None if cad.positions is None else torch.cat([cad.positions[:num_tokens], flat_pos]),
             _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(fused)
+        if self.level_embedding:  # before _set_rows: the chunk's positions are read
+            self._set_offsets(torch.cat([self._chunk_offsets(cad, num_tokens, positions, req),
+                                         self._block_offsets(B, dev)]))
         self._set_rows(num_tokens, ids, feats, flat_pos)
         out = self._forward(per_layer, n, slot_mapping)[num_tokens:n].view(B, k, -1)
         return out.flip(1) if self.reversed_blocks else out
+
+    def _block_offsets(self, nb: int, device) -> torch.Tensor | None:
+        """Row offsets of ``nb`` k-row blocks laid out one after another (None: no level embedding)."""
+        return torch.arange(self.k, device=device).repeat(nb) if self.level_embedding else None
+
+    def _chunk_offsets(self, cad, num_tokens: int, positions: torch.Tensor, req: torch.Tensor | None = None):
+        """Offsets of the step's chunk rows: blocks aligned to each request's end (its last committed position
+        ``positions[:, -1]``), as the reference engine's chunk pass lays them out (None: no level embedding)."""
+        if not self.level_embedding:
+            return None
+        B = positions.shape[0]
+        if req is None:
+            row = torch.arange(num_tokens, device=positions.device)
+            req = torch.searchsorted(cad.query_start_loc[1:B + 1].long(), row, right=True).clamp(max=B - 1)
+        return (self.positions[:num_tokens].long() - positions[req, -1] - 1) % self.k
+
+    def _set_offsets(self, offsets: torch.Tensor | None) -> None:
+        if offsets is not None:
+            unwrap_model(self.model).model.set_level_offsets(offsets)
 
     def _set_rows(self, start: int, ids, feats, flat_pos) -> None:
         """Write block rows (ids [B, k], feats [B, k, H], flat positions) into the drafter's input buffers at ``start``."""
