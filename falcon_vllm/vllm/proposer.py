@@ -330,7 +330,7 @@ class FalconProposer(EagleProposer):
         n = num_tokens + B * k
         dev = ids.device
         row = torch.arange(num_tokens, device=dev)
-        req = torch.searchsorted(cad.query_start_loc[1:B + 1].long(), row, right=True).clamp(max=B - 1)
+        req = self._row_requests(cad, row, B)
         before_block = row <= last[req] - k
         chunk_slots = torch.where(before_block, cad.slot_mapping[:num_tokens].long(), PADDING_SLOT_ID)
         block_slots = torch.where(known.reshape(-1), self._slots(cad.block_table_tensor, positions), PADDING_SLOT_ID)
@@ -367,11 +367,14 @@ class FalconProposer(EagleProposer):
         ``positions[:, -1]``), as the reference engine's chunk pass lays them out (None: no level embedding)."""
         if not self.level_embedding:
             return None
-        B = positions.shape[0]
         if req is None:
-            row = torch.arange(num_tokens, device=positions.device)
-            req = torch.searchsorted(cad.query_start_loc[1:B + 1].long(), row, right=True).clamp(max=B - 1)
+            req = self._row_requests(cad, torch.arange(num_tokens, device=positions.device), positions.shape[0])
         return (self.positions[:num_tokens].long() - positions[req, -1] - 1) % self.k
+
+    @staticmethod
+    def _row_requests(cad, row: torch.Tensor, B: int) -> torch.Tensor:
+        """The request (0..B-1) of each flat chunk row index in ``row``."""
+        return torch.searchsorted(cad.query_start_loc[1:B + 1].long(), row, right=True).clamp(max=B - 1)
 
     def _set_offsets(self, offsets: torch.Tensor | None) -> None:
         if offsets is not None:
