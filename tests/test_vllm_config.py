@@ -283,3 +283,29 @@ def test_prompt_lookup_options(dirs, tmp_path):
     f = _config(dirs, {"method": "falcon", "model": str(chain), "num_speculative_tokens": 2}
                 ).speculative_config.draft_model_config.hf_config.falcon
     assert "prompt_lookup" not in f  # an explicit chain replaces the whole recommendation
+
+
+def test_cpu_rms_norm_matches_vllm_native():
+    """model.CpuRMSNorm (vLLM's C++ CPU kernels) computes what vLLM's RMSNorm computes natively, with and without
+    the residual add; use_cpu_norm_kernels swaps only the norms the kernels take (channels a multiple of 16)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from falcon_vllm.vllm.model import CpuRMSNorm, use_cpu_norm_kernels
+
+    with set_current_vllm_config(VllmConfig()):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": RMSNorm(64, eps=1e-5), "b": RMSNorm(40, eps=1e-5)})
+        for m in model.values():
+            m.weight.data.normal_()
+        ref = model["a"]
+        use_cpu_norm_kernels(model)
+        assert type(model["a"]) is CpuRMSNorm and type(model["b"]) is RMSNorm
+        assert model["a"].weight is ref.weight
+        x, r = torch.randn(5, 64), torch.randn(5, 64)
+        torch.testing.assert_close(model["a"](x.clone()), ref.forward_native(x.clone()), rtol=1e-5, atol=1e-5)
+        want_out, want_res = ref.forward_native(x.clone(), r.clone())
+        out, res = model["a"](x.clone(), r.clone())
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(res, want_res, rtol=1e-6, atol=1e-6)

@@ -122,6 +122,11 @@ def test_drafter_gemm_dtype_keeps_outputs(prompts, vanilla, gemm):
             assert m.weight.dtype == want, name
             assert getattr(m, "falcon_gemm_wrapped", False) == (gemm == "bfloat16"), name
         assert model.model.embed_tokens.weight.dtype == torch.float32
+        # the drafter's RMSNorms run vLLM's C++ CPU kernels (model.CpuRMSNorm), with the checkpoint's weights
+        norms = {n: m for n, m in model.named_modules()  # layer 0 has no input norm (EAGLE's layout)
+                 if n.endswith("layernorm") and not isinstance(m, torch.nn.Identity)}
+        assert len(norms) == 3 and all(type(m).__name__ == "CpuRMSNorm" for m in norms.values()), norms
+        assert all(not torch.equal(m.weight, torch.ones_like(m.weight)) for m in norms.values())
         before = spec_counters(llm)
         assert _greedy(llm, prompts) == vanilla
         after = spec_counters(llm)
