@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shlex
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cpu_gemm_rows import cpu_name  # noqa: E402
 from profile_step import DEFAULT_DRAFTER, ROOT, spec_for  # noqa: E402
+from report import write_report  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -79,10 +79,6 @@ def main(argv=None) -> None:
              "drafting_ms_per_step": round(1e3 * sum(drafting[n]) / len(drafting[n]), 3) if drafting[n] else None,
              "drafting_steps": len(drafting[n]), "identical_to_vanilla": outs[n] == outs["vanilla"]} for n in names]
     command = "python benchmarks/ab_draft_norm.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    path = os.path.join(ROOT, "benchmarks", "results", args.name)
-    with open(path + ".json", "w") as f:
-        json.dump({"command": command, "machine": cpu_name(), "dataset": args.dataset, "prompts": args.prompts,
-                   "max_new_tokens": args.max_new_tokens, "rows": rows}, f, indent=1)
     lines = [f"# Drafter RMSNorm kernels, side by side: {args.name}", "", f"Command: `{command}`", "",
              f"Machine: {cpu_name()}.  Three engines in one process, batch 1, greedy, {args.prompts} {args.dataset} "
              f"prompts x up to {args.max_new_tokens} tokens (stopping at EOS), generations alternating (order "
@@ -94,8 +90,9 @@ def main(argv=None) -> None:
         lines.append(f"| {r['config']} | {r['wall_s']:.2f} | {r['speedup_total']:.3f}x | "
                      f"{'-' if r['drafting_ms_per_step'] is None else r['drafting_ms_per_step']} | "
                      f"{r['drafting_steps']} | {r['identical_to_vanilla']} |")
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name,
+                 {"command": command, "machine": cpu_name(), "dataset": args.dataset, "prompts": args.prompts,
+                  "max_new_tokens": args.max_new_tokens, "rows": rows}, lines)
     print("\n".join(lines))
 
 

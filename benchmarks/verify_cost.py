@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from cpu_gemm_rows import cpu_name  # noqa: E402  (one machine description for every benchmark)
+from report import write_report  # noqa: E402
 
 
 def layers_only_cost(target, batch_size, width, prefix=256, repeats=3):
@@ -69,10 +70,6 @@ def main(argv=None) -> int:
                              "layers_only_seconds": layers[W], "layers_only_ratio_to_1": layers[W] / layers[1],
                              "lm_head_share": 1 - layers[W] / full[W]})
                 print(json.dumps(rows[-1]), flush=True)
-    out = os.path.join(HERE, "results", args.name)
-    with open(out + ".json", "w") as f:
-        json.dump({"command": command, "machine": cpu_name(), "threads": args.threads,
-                   "prefix": args.prefix, "rows": rows}, f, indent=1)
     lines = [f"# Verify cost of W tokens vs 1 ({args.name})", "", f"Command: `{command}`", "",
              f"SmolLM2-135M-Instruct fp32 (transformers), prefix {args.prefix}, {args.threads} thread(s), best of "
              f"{args.repeats} (widths interleaved).  `full`: layers + LM head on every row (what verification "
@@ -82,8 +79,8 @@ def main(argv=None) -> int:
         lines.append(f"| {r['batch_size']} | {r['width']} | {1e3 * r['seconds']:.1f} | {r['ratio_to_1']:.2f} | "
                      f"{1e3 * r['layers_only_seconds']:.1f} | {r['layers_only_ratio_to_1']:.2f} | "
                      f"{100 * r['lm_head_share']:.0f}% |")
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(os.path.join(HERE, "results"), args.name, {"command": command, "machine": cpu_name(),
+                 "threads": args.threads, "prefix": args.prefix, "rows": rows}, lines)
     print("\n".join(lines))
     return 0
 
