@@ -32,6 +32,9 @@ import statistics
 import sys
 import time
 
+# the environment that changes what is measured, as the caller set it (vLLM's CPU platform later adds its own
+# libraries to LD_PRELOAD for the processes it starts): it goes into the results' command
+CALLER_ENV = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD") if os.environ.get(k)}
 # several engines live in this process: 1 GiB of KV cache each (profile_step's environment sets the rest)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +133,8 @@ def run(args) -> list[dict]:
 
 def write(args, rows) -> None:
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
-    cmd = "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
+    cmd = env + "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p}
