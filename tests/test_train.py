@@ -335,6 +335,38 @@ def test_gen_data_answers_file_reproduces_the_data(tmp_path, target, monkeypatch
         gen_data.run("tiny", str(tmp_path / "f"), 4, 8, answers=str(tmp_path / "bad.safetensors"), **kw)
 
 
+def test_gen_data_resumes_by_shard(tmp_path, target, monkeypatch):
+    """A run into a directory that holds shards generates only the missing ones, keeps the written shards as
+    they are, and starts its progress bar at them (so the bar's rate and ETA are the new work's)."""
+    import tqdm as tqdm_mod
+
+    from falcon_vllm.train import gen_data
+
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+             for i in range(6)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    kw = dict(model=target, tokenizer=_FakeTokenizer(), data=str(tmp_path / "sg.json"), backend="hf", shard_size=2)
+    out = gen_data.run("tiny", str(tmp_path / "d"), 4, 8, **kw)
+    first = (out / "shard_00000.safetensors").read_bytes()
+    generated, bars = [], []
+    real_greedy, real_tqdm = gen_data.greedy_batch, tqdm_mod.tqdm
+    monkeypatch.setattr(gen_data, "greedy_batch", lambda m, prompts, *a: generated.append(len(prompts)) or
+                        real_greedy(m, prompts, *a))
+
+    class Bar(real_tqdm):
+        def __init__(self, *a, **k):
+            bars.append(k)
+            super().__init__(*a, **k)
+    monkeypatch.setattr(tqdm_mod, "tqdm", Bar)
+    gen_data.run("tiny", str(out), 6, 8, **kw)
+    assert generated == [2]  # conversations 4-5 only
+    assert bars[0]["total"] == 6 and bars[0]["initial"] == 4
+    assert (out / "shard_00000.safetensors").read_bytes() == first
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [sh["file"] for sh in manifest["shards"]] == [f"shard_0000{i}.safetensors" for i in range(3)]
+    assert len(load_shards(str(out))) == 6
+
+
 def test_gen_data_featurizes_the_data_replies(tmp_path, target, monkeypatch):
     """--replies data: each prompt followed by its conversation's own first reply (cut after the end of turn or
     at max_new_tokens), the target's features over it, nothing generated; other turn settings or a resume

@@ -456,11 +456,17 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
         print(f"falcon-vllm: gen-data: continuing the {stored_turns}-turn conversations of {answers} "
               f"to {max_turns} turns")
     generate = None
-    bar = tqdm(total=len(prompts), desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})",
-               unit="conv")
+
+    def written(si: int) -> bool:
+        path = out / f"shard_{si:05d}.safetensors"
+        return path.exists() and path.name in done
+
+    # a resumed run starts the bar at the shards already written, so its rate and ETA are this run's
+    bar = tqdm(total=len(prompts), initial=sum(len(sh) for si, sh in enumerate(shards) if written(si)),
+               desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})", unit="conv")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
-        if not path.exists() or path.name not in done:
+        if not written(si):
             from_answers = shard[-1] < len(stored)
             if from_answers:  # the stored answers (featurized, or continued below)
                 seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]
@@ -503,7 +509,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
             manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name] + [entry]
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        bar.update(len(shard))
+            bar.update(len(shard))
         gen_s = sum(sh.get("generate_s", 0) + sh.get("featurize_s", 0) for sh in manifest["shards"])
         toks = sum(sh.get("answer_tokens", 0) for sh in manifest["shards"])
         if gen_s:
