@@ -510,10 +510,10 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
             bar.update(len(shard))
-        gen_s = sum(sh.get("generate_s", 0) + sh.get("featurize_s", 0) for sh in manifest["shards"])
-        toks = sum(sh.get("answer_tokens", 0) for sh in manifest["shards"])
-        if gen_s:
-            bar.set_postfix(answer_tok_s=f"{toks / gen_s:.0f}")
+            gen_s = sum(sh.get("generate_s", 0) + sh.get("featurize_s", 0) for sh in manifest["shards"])
+            toks = sum(sh.get("answer_tokens", 0) for sh in manifest["shards"])
+            if gen_s:
+                bar.set_postfix(answer_tok_s=f"{toks / gen_s:.0f}")
     bar.close()
     manifest["shards"] = manifest["shards"][:len(shards)]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
