@@ -122,7 +122,11 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     rows = [s.loss_mask[1:].bool().nonzero().flatten() for s in samples]  # feature i predicts token i+1
     feats = torch.cat([s.hidden[r] for s, r in zip(samples, rows)]) if samples else torch.zeros(0, 1)
     parts = {"arg": [], "idx": [], "val": [], "lse": [], "lseT": []}
-    for a in range(0, feats.shape[0], chunk):
+    # minutes on a CPU for thousands of conversations: a bar over the chunks, quiet for small data
+    from tqdm import tqdm
+
+    for a in tqdm(range(0, feats.shape[0], chunk), desc="teacher cache", unit="chunk",
+                  disable=feats.shape[0] < 64 * chunk):
         lg = lm_head(feats[a:a + chunk].to(lm_head.weight.device).float()).float()
         v, i = lg.topk(topk, dim=-1)
         for n, t in (("arg", i[:, 0]), ("idx", i.int()), ("val", v), ("lse", lg.logsumexp(-1)),
