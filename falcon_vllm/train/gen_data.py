@@ -457,16 +457,13 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
               f"to {max_turns} turns")
     generate = None
 
-    def written(si: int) -> bool:
-        path = out / f"shard_{si:05d}.safetensors"
-        return path.exists() and path.name in done
-
+    paths = [out / f"shard_{si:05d}.safetensors" for si in range(len(shards))]
+    todo = [not (p.exists() and p.name in done) for p in paths]  # shards this run writes
     # a resumed run starts the bar at the shards already written, so its rate and ETA are this run's
-    bar = tqdm(total=len(prompts), initial=sum(len(sh) for si, sh in enumerate(shards) if written(si)),
+    bar = tqdm(total=len(prompts), initial=sum(len(sh) for sh, t in zip(shards, todo) if not t),
                desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})", unit="conv")
-    for si, shard in enumerate(shards):
-        path = out / f"shard_{si:05d}.safetensors"
-        if not written(si):
+    for shard, path, t in zip(shards, paths, todo):
+        if t:
             from_answers = shard[-1] < len(stored)
             if from_answers:  # the stored answers (featurized, or continued below)
                 seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]

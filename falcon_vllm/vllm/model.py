@@ -89,8 +89,9 @@ class CpuRMSNorm(nn.Module):
 
     vLLM's CPU platform runs RMSNorm through its PyTorch-native implementation, which torch.compile fuses; a
     drafter runs eagerly, where that is about 0.14 ms a call at a drafter's few rows against 0.011 ms for the
-    kernel (2-core EPYC, 576 channels); the shipped 2-layer drafter makes three calls per pass.  The same arithmetic (fp32 within 1e-6 of
-    the native one): drafts could differ only in a near-tie, verification not at all."""
+    kernel (2-core EPYC, 576 channels); the shipped 2-layer drafter makes three calls per pass.  The same
+    arithmetic (fp32 within 1e-6 of the native one): drafts could differ only in a near-tie, verification not
+    at all."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
