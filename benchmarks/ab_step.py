@@ -64,7 +64,7 @@ def run(args) -> list[dict]:
     engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
     labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
     for label, cfg in zip(labels, args.configs):
-        engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
+        engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=not args.compile,
                            max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
                            disable_log_stats=False,
                            speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
@@ -137,7 +137,7 @@ def write(args, rows) -> None:
     cmd = env + "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "top_p": args.top_p}
+            "top_p": args.top_p, "compile": args.compile}
     decoding = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}" + (
         f", top-p {args.top_p:g}" if args.top_p < 1 else "")
     with open(out + ".json", "w") as f:
@@ -149,7 +149,8 @@ def write(args, rows) -> None:
              f"{f', turn {args.turn} after the baseline answered the earlier turns' if args.turn > 1 else ''}"
              f"{', every turn (a generation: the conversation, later turns after the baseline answers)' if args.turn == 0 else ''}"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, {decoding}, "
-             f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
+             f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}; "
+             f"{'torch.compile (vLLM default)' if args.compile else 'eager'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
              f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done.", "",
@@ -189,6 +190,9 @@ def main(argv=None) -> None:
     p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE,
                    help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
+    p.add_argument("--compile", action="store_true",
+                   help="vLLM's default torch.compile mode (as `vllm serve` runs) instead of eager; engines take "
+                        "about a minute each to build")
     p.add_argument("--name", default="ab_step")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
@@ -87,9 +88,10 @@ def wrap_gemms(model: nn.Module) -> None:
 class CpuRMSNorm(nn.Module):
     """A drafter's RMSNorm through vLLM's C++ CPU kernels (``_C.rms_norm``, ``_C.fused_add_rms_norm``).
 
-    vLLM's CPU platform runs RMSNorm through its PyTorch-native implementation, which torch.compile fuses; a
-    drafter runs eagerly, where that is about 0.14 ms a call at a drafter's few rows against 0.011 ms for the
-    kernel (2-core EPYC, 576 channels); the shipped 2-layer drafter makes three calls per pass.  The same
+    vLLM's CPU platform runs RMSNorm through its PyTorch-native implementation, which torch.compile fuses; run
+    eagerly (``enforce_eager``, or a drafter vLLM does not compile) that is about 0.14 ms a call at a drafter's
+    few rows against 0.011 ms for the kernel (2-core EPYC, 576 channels); the shipped 2-layer drafter makes
+    three calls per pass.  Compiled, the kernel is an opaque op in the graph.  The same
     arithmetic (fp32 within 1e-6 of the native one): drafts could differ only in a near-tie, verification not
     at all."""
 
@@ -120,6 +122,14 @@ def use_cpu_norm_kernels(model: nn.Module) -> None:
             setattr(model.get_submodule(parent), attr, CpuRMSNorm(m))
 
 
+def _compiles(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's torch.compile takes the drafter (when it compiles the target: not with enforce_eager): fc
+    fusion without a level embedding, whose per-pass row offsets are Python state set between passes."""
+    falcon = getattr(vllm_config.speculative_config.draft_model_config.hf_config, "falcon", None) or {}
+    return falcon.get("fusion", "lstm") == "fc" and not falcon.get("level_embedding")
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0}, enable_if=_compiles)
 class FalconDraftModel(nn.Module):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
         ".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
