@@ -63,8 +63,12 @@ def run(args) -> list[dict]:
     history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
     engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
     labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
+    compiled = set(labels) if args.compile == "all" else {c for c in args.compile.split(",") if c}
+    if compiled - set(labels):
+        raise SystemExit(f"falcon-vllm: --compile names no configuration: {sorted(compiled - set(labels))} "
+                         f"(the labels are {labels})")
     for label, cfg in zip(labels, args.configs):
-        engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=not args.compile,
+        engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=label not in compiled,
                            max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
                            disable_log_stats=False,
                            speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
@@ -131,6 +135,12 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _compile_words(compile_arg: str) -> str:
+    if compile_arg == "all":
+        return "torch.compile (vLLM default)"
+    return f"torch.compile for {compile_arg}, the others eager" if compile_arg else "eager"
+
+
 def write(args, rows) -> None:
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
     env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
@@ -150,7 +160,7 @@ def write(args, rows) -> None:
              f"{', every turn (a generation: the conversation, later turns after the baseline answers)' if args.turn == 0 else ''}"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, {decoding}, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}; "
-             f"{'torch.compile (vLLM default)' if args.compile else 'eager'}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
+             f"{_compile_words(args.compile)}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
              f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done.", "",
@@ -190,9 +200,11 @@ def main(argv=None) -> None:
     p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE,
                    help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
-    p.add_argument("--compile", action="store_true",
-                   help="vLLM's default torch.compile mode (as `vllm serve` runs) instead of eager; engines take "
-                        "about a minute each to build")
+    p.add_argument("--compile", nargs="?", const="all", default="",
+                   help="vLLM's default torch.compile mode (as `vllm serve` runs) instead of eager, for every engine "
+                        "or for the comma-separated configuration labels given (a configuration given twice is "
+                        "labelled <config>#<index>: `--configs vanilla,vanilla --compile 'vanilla#1'` times eager "
+                        "against compiled); a compiled engine takes a minute or two more to build")
     p.add_argument("--name", default="ab_step")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Per-component cost of one decoding step in vLLM: vanilla vs falcon chain vs falcon tree.
 
-Each configuration runs in an in-process engine (eager, fp32, prefix caching off) over the first B
-MT-Bench questions (B = --batch-sizes, submitted together, --max-new-tokens each, EOS ignored), after
-one untimed warm-up.  Wall-clock timers wrap (inclusive times, summed over the timed generations):
+Each configuration runs in an in-process engine (eager, or compiled with --compile; fp32, prefix caching
+off) over the first B MT-Bench questions (B = --batch-sizes, submitted together, --max-new-tokens each,
+EOS ignored), after one untimed warm-up.  Wall-clock timers wrap (inclusive times, summed over the timed generations):
 
   step            LLMEngine.step (scheduler, model runner, output processing): the whole step
   target forward  the runner's _model_forward (the target's layers, attention included)
@@ -150,7 +150,7 @@ def run_worker(args) -> list[dict]:
         prompts.append(chat_ids(tok, [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
     rows = []
     for cfg in args.configs:
-        llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
+        llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=not args.compile,
                   max_num_seqs=max(args.batch_sizes), disable_log_stats=False, seed=0, enable_prefix_caching=False,
                   speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -225,6 +225,8 @@ def _worker_cmd(args, configs, out):
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--max-new-tokens", str(args.max_new_tokens),
            "--repeats", str(args.repeats), "--drafter", args.drafter, "--eagle-drafter", args.eagle_drafter,
            "--num-spec-tokens", str(args.num_spec_tokens), "--temperature", str(args.temperature)]
+    if args.compile:
+        cmd += ["--compile"]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
@@ -294,7 +296,8 @@ def markdown(summary, args, command) -> str:
              f"Machine: {cpu_name()}; "
              f"{args.max_new_tokens} new tokens x {args.repeats} repeat(s) per batch, MT-Bench prompts, "
              + (f"temperature {args.temperature:g}, " if args.temperature else "greedy, ") +
-             f"{args.rounds} round(s) (median){'; versions run side by side' if args.parallel else ''}.  ms per step (share of the step).  tree attention is part of "
+             f"{args.rounds} round(s) (median){'; versions run side by side' if args.parallel else ''}; "
+             f"{'torch.compile (vLLM default)' if args.compile else 'eager'}.  ms per step (share of the step).  tree attention is part of "
              "attention, which is part of target forward; compaction is part of sampler; drafter passes are "
              "part of drafting.", ""]
     head = ["version", "config", "B", "tok/step", "tok/s"] + list(COMPONENTS)
@@ -322,6 +325,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE, help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
+    p.add_argument("--compile", action="store_true",
+                   help="vLLM's default torch.compile mode (as `vllm serve` runs) instead of eager")
     p.add_argument("--compare", default=None, help="checkout of the code to profile as 'before'")
     p.add_argument("--parallel", action="store_true",
                    help="with --compare: run the two versions of a configuration at the same time")
