@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE,
                    help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
-    p.add_argument("--compile", nargs="?", const="all", default="",
+    p.add_argument("--compile", nargs="?", const="all", default="", metavar="LABELS",
                    help="vLLM's default torch.compile mode (as `vllm serve` runs) instead of eager, for every engine "
                         "or for the comma-separated configuration labels given (a configuration given twice is "
                         "labelled <config>#<index>: `--configs vanilla,vanilla --compile 'vanilla#1'` times eager "
