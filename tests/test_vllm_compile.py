@@ -6,6 +6,7 @@ Each engine compiles on start-up (about half a minute for these tiny models), so
 """
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -35,9 +36,15 @@ def ckpts(tmp_path_factory):
     return base
 
 
+@contextmanager
 def _compiled_llm(target, spec=None):
-    kw = {} if spec is None else {"per_request_spec_decode_metrics": "detailed"}
-    return make_llm(target, spec, enforce_eager=False, **kw)
+    """A compiled in-process engine, shut down on leaving (one engine at a time)."""
+    llm = make_llm(target, spec, enforce_eager=False,
+                   **({} if spec is None else {"per_request_spec_decode_metrics": "detailed"}))
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
 
 
 def _drafter_module(llm):
@@ -47,14 +54,10 @@ def _drafter_module(llm):
 
 
 def test_compiled_drafter_greedy_identical_to_vanilla(ckpts):
-    llm = _compiled_llm(ckpts / "rnd")
-    try:
+    with _compiled_llm(ckpts / "rnd") as llm:
         ref = greedy(llm, PROMPTS)[0]
-    finally:
-        shutdown_llm(llm)
-    llm = _compiled_llm(ckpts / "rnd", {"method": "falcon", "model": str(ckpts / "rnd_fc2"),
-                                        "num_speculative_tokens": 4})
-    try:
+    with _compiled_llm(ckpts / "rnd", {"method": "falcon", "model": str(ckpts / "rnd_fc2"),
+                                       "num_speculative_tokens": 4}) as llm:
         prop = drafter_of(llm)
         mod = _drafter_module(llm)
         assert not mod.do_not_compile  # vLLM compiles it (as "eagle_head")
@@ -65,15 +68,12 @@ def test_compiled_drafter_greedy_identical_to_vanilla(ckpts):
         d = counter_delta(spec_counters(llm), before)
         assert d["num_drafts"] > 0 and d["num_draft_tokens"] == 4 * d["num_drafts"]
         assert mod.compiled and prop.passes == prop.steps * math.ceil(4 / prop.k)
-    finally:
-        shutdown_llm(llm)
 
 
 def test_compiled_exact_drafter_accepts_everything(ckpts):
     """The compiled drafter computes what the eager one does: a perfect drafter's every draft is accepted."""
-    llm = _compiled_llm(ckpts / "inc", {"method": "falcon", "model": str(ckpts / "exact_k2"),
-                                        "num_speculative_tokens": 5})
-    try:
+    with _compiled_llm(ckpts / "inc", {"method": "falcon", "model": str(ckpts / "exact_k2"),
+                                       "num_speculative_tokens": 5}) as llm:
         assert not _drafter_module(llm).do_not_compile
         before = spec_counters(llm)
         toks, _ = greedy(llm, PROMPTS_INC, n=30)
@@ -81,15 +81,10 @@ def test_compiled_exact_drafter_accepts_everything(ckpts):
             assert t == [(p[-1] + i) % V for i in range(1, 31)]
         c = counter_delta(spec_counters(llm), before)
         assert c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] == 5 * c["num_drafts"]
-    finally:
-        shutdown_llm(llm)
 
 
 def test_level_embedding_drafter_stays_eager(ckpts):
-    llm = _compiled_llm(ckpts / "rnd", {"method": "falcon", "model": str(ckpts / "rnd_level"),
-                                        "num_speculative_tokens": 2})
-    try:
+    with _compiled_llm(ckpts / "rnd", {"method": "falcon", "model": str(ckpts / "rnd_level"),
+                                       "num_speculative_tokens": 2}) as llm:
         assert _drafter_module(llm).do_not_compile
         assert len(greedy(llm, PROMPTS[:2], n=8)[0][1]) == 8
-    finally:
-        shutdown_llm(llm)
