@@ -123,10 +123,12 @@ def use_cpu_norm_kernels(model: nn.Module) -> None:
 
 
 def _compiles(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM's torch.compile takes the drafter (when it compiles the target: not with enforce_eager): fc
-    fusion without a level embedding, whose per-pass row offsets are Python state set between passes."""
+    """Whether vLLM's torch.compile takes the drafter (when it compiles the target: not with enforce_eager): on
+    CPU, fc fusion without a level embedding, whose per-pass row offsets are Python state set between passes.
+    On GPUs the drafter stays eager: compiled, vLLM would also capture it in piecewise CUDA graphs, a path not yet
+    run there."""
     falcon = getattr(vllm_config.speculative_config.draft_model_config.hf_config, "falcon", None) or {}
-    return falcon.get("fusion", "lstm") == "fc" and not falcon.get("level_embedding")
+    return current_platform.is_cpu() and falcon.get("fusion", "lstm") == "fc" and not falcon.get("level_embedding")
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0}, enable_if=_compiles)
