@@ -1,15 +1,14 @@
 """falcon in vLLM's default torch.compile mode (CPU, in-process engine, no enforce_eager): what `vllm serve`
 runs unless told --enforce-eager.  The target and the Falcon drafter are compiled (the drafter as vLLM's
-``eagle_head``); a drafter with a level embedding, whose per-pass row offsets are Python state, stays eager.
+``eagle_head``; on CPU); a drafter with a level embedding, whose per-pass row offsets are Python state, stays eager.
 
-Each engine compiles on start-up (about half a minute for these tiny models), so this file builds three.
+Each engine compiles on start-up (about half a minute for these tiny models), so this file builds four.
 """
 
 import math
 from contextlib import contextmanager
 
 import pytest
-import torch
 
 from tests.vllm_util import counter_delta, drafter_of, greedy, make_llm, save_target, shutdown_llm, spec_counters
 
@@ -28,9 +27,7 @@ def ckpts(tmp_path_factory):
     random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3, block_order="reversed").save_pretrained(
         str(base / "rnd_fc2"))
     random_drafter(rnd, k=2, fusion="fc", seed=4, level_embedding=True).save_pretrained(str(base / "rnd_level"))
-    inc = increment_llama(vocab=V, hidden=128, heads=2, kv_heads=1)
-    with torch.no_grad():
-        inc.lm_head.weight.mul_(1000.0)
+    inc = increment_llama(vocab=V, hidden=128, heads=2, kv_heads=1)  # greedy: t+1, t+2, ...
     save_target(inc, str(base / "inc"))
     exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
     return base

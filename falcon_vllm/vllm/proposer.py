@@ -38,8 +38,8 @@ generator when seeded), and that distribution goes to the rejection sampler.  Ei
 is exactly vanilla vLLM's (greedy) or distributed exactly as the target (sampling) whatever the
 drafter does; tree nodes are always the drafter's top candidates.  ``steps`` / ``passes``
 count proposals and drafter passes (relaxed block + block passes) so tests can check
-``ceil(K / k)`` per step.  No pass runs in a CUDA graph; under vLLM's torch.compile mode (no
-``enforce_eager``) the drafter's forward is compiled like the target's (``FalconDraftModel``).
+``ceil(K / k)`` per step.  No pass runs in a CUDA graph; on CPU under vLLM's torch.compile mode
+(no ``enforce_eager``) the drafter's forward is compiled like the target's (``FalconDraftModel``).
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ class FalconProposer(EagleProposer):
         self.hidden_states[start:start + n] = feats.reshape(n, -1)
 
     def _forward(self, per_layer, n: int, slot_mapping) -> torch.Tensor:
-        """The drafter over the first ``n`` rows of its input buffers (no CUDA graph), writing K/V at ``slot_mapping``."""
+        """The drafter over its input buffers' first ``n`` rows (no CUDA graph), writing K/V at ``slot_mapping``."""
         with set_forward_context(per_layer, self.vllm_config, num_tokens=n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                  slot_mapping=self._get_slot_mapping(n, slot_mapping)):
             out, _ = self.model(input_ids=self.input_ids[:n], positions=self._get_positions(n),
