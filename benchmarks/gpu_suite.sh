@@ -6,9 +6,9 @@
 #
 #   bash benchmarks/gpu_suite.sh [DIR]
 #
-# Steps: the kernel tests compiled on the GPU; the batch-1 merge-variant and pipeline sweeps
-# (profile_tree_attention.py); gpu_check.py's full grid; the kernel grid at batch 1, 8 and 64
-# (bench_kernels.py); an Nsight Compute profile of the batch-1 kernel at the goal shape (where ncu is installed);
+# Steps, in this order: gpu_check.py's full grid; the batch-1 pipeline sweep (profile_tree_attention.py); an
+# Nsight Compute profile of the batch-1 kernel at the goal shape (where ncu is installed); the batch-1
+# merge-variant sweep; the kernel tests compiled on the GPU; the kernel grid at batch 1, 8 and 64 (bench_kernels.py);
 # drafter training steps on the GPU against the same steps on the CPU (train_speed.py).  SKIP="name ..." leaves
 # steps out (e.g. SKIP="b1_variants train_cpu" where they were measured before).
 set -u
@@ -36,16 +36,10 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-# most important first: a step that runs out of deadline is skipped, not the ones before it
+# most important first: a step that runs out of deadline is skipped, not the ones before it (the kernels have not
+# changed since their tests and grids last ran on an H100, so the batch-1 sweep and its profile come before them)
 TAIL=16 step gpu_check 300 python3 benchmarks/gpu_check.py --name "gpu_check_$NAME" --out-dir "$DIR"
-TAIL=3 step kernel_tests 150 python3 -m pytest -q tests/test_kernels.py
-for B in 1 8 64; do
-    TAIL=2 step "kernels_b$B" 75 python3 benchmarks/bench_kernels.py --batch "$B" --name "kernels_${NAME}_b$B" \
-        --out-dir "$DIR"
-done
-TAIL=14 step b1_pipeline 150 python3 benchmarks/profile_tree_attention.py --pipeline --name "kernels_b1_pipeline_$NAME" \
-    --out-dir "$DIR"
-TAIL=14 step b1_variants 150 python3 benchmarks/profile_tree_attention.py --name "kernels_b1_variants_$NAME" \
+TAIL=14 step b1_pipeline 200 python3 benchmarks/profile_tree_attention.py --pipeline --name "kernels_b1_pipeline_$NAME" \
     --out-dir "$DIR"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [[ -n "$NCU" ]]; then  # --clock-control none: the card's clocks are left as found
@@ -54,6 +48,13 @@ if [[ -n "$NCU" ]]; then  # --clock-control none: the card's clocks are left as 
         --section MemoryWorkloadAnalysis --section SchedulerStats \
         python3 benchmarks/profile_tree_attention.py --launches 4
 fi
+TAIL=14 step b1_variants 150 python3 benchmarks/profile_tree_attention.py --name "kernels_b1_variants_$NAME" \
+    --out-dir "$DIR"
+TAIL=3 step kernel_tests 150 python3 -m pytest -q tests/test_kernels.py
+for B in 1 8 64; do
+    TAIL=2 step "kernels_b$B" 75 python3 benchmarks/bench_kernels.py --batch "$B" --name "kernels_${NAME}_b$B" \
+        --out-dir "$DIR"
+done
 TAIL=8 step train_cuda 90 python3 benchmarks/train_speed.py --device cuda --bf16 --steps 40 \
     --out "$DIR/train_speed_${NAME}_cuda.json"
 TAIL=8 step train_cuda_eagle 90 python3 benchmarks/train_speed.py --mode eagle --device cuda --bf16 --steps 40 \

@@ -138,17 +138,28 @@ def main(argv=None) -> int:
             tiles_here = pipe[:2] if a.smoke else goal_pipe if (heads, W, P) == GOAL else pipe
             rows, prof = run_shape(heads, W, P, tiles_here, spl, peak, a.smoke, ("fused-half",))
             res["shapes"].append({"shape": (heads, W, P), "rows": rows, "launch_us": prof})
+            write(res, a.out_dir, a.name)
     goal, other = ((GOAL[0], 6, 40), [("7b", 3, 20)]) if a.smoke else (GOAL, OTHER)
     if not a.pipeline:
         rows, prof = run_shape(*goal, tiles, (None, 4) if a.smoke else (None, 4, 8, 16), peak, a.smoke)
         res["shapes"].append({"shape": goal, "rows": rows, "launch_us": prof})
+        write(res, a.out_dir, a.name)
     for heads, W, P in () if a.pipeline else other:
         rows, prof = run_shape(heads, W, P, ({},), (None,), peak, a.smoke)
         res["shapes"].append({"shape": (heads, W, P), "rows": rows, "launch_us": prof})
-    os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, a.name + ".json"), "w") as f:
+    lines = write(res, a.out_dir, a.name)
+    print("\n".join(lines[-40:]))
+    return 0
+
+
+def write(res: dict, out_dir: str, name: str) -> list[str]:
+    """<out_dir>/<name>.{json,md} from the shapes measured so far (rewritten after each shape, so a run cut
+    short by a time limit keeps what it measured); returns the markdown lines."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# Batch-1 tree attention, split-KV merge variants: {dev}", "", f"Command: `{res['command']}`", "",
+    lines = [f"# Batch-1 tree attention, split-KV merge variants: {res['device']}", "",
+             f"Command: `{res['command']}`", "",
              "Timing: median of CUDA-graph replays (triton.testing.do_bench, L2 flushed); fp16; % peak: prefix K/V "
              "+ in-flight q/k/v/out bytes over the time, against the datasheet HBM bandwidth.  launch us: torch "
              "profiler device time per launch, eager.", ""]
@@ -165,10 +176,9 @@ def main(argv=None) -> int:
                          f"{r['num_splits']} | "
                          f"{r['ms'] * 1e3:.1f} | {pct} | {vs} | {r['max_abs_err']:.1e} |")
         lines += ["", "launch us: " + "; ".join(f"{k}: {v}" for k, v in s["launch_us"].items()), ""]
-    with open(os.path.join(a.out_dir, a.name + ".md"), "w") as f:
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write("\n".join(lines))
-    print("\n".join(lines[-40:]))
-    return 0
+    return lines
 
 
 if __name__ == "__main__":

@@ -234,3 +234,18 @@ def test_draft_tree_attention_matches_dense_oracle(case):
                 want = _sdpa(qs[r, j], keys, vals, None, impl.scale)
                 torch.testing.assert_close(out[r, j].double(), want, atol=1e-5, rtol=1e-5)
         hist.append((ks, vs))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_to_device_keeps_values_dtypes_and_shapes(device):
+    """A step's host indices and tree bits reach the device in one copy (CUDA: one pinned buffer, in their
+    common dtype or int64) with every value, dtype and shape kept, int32 extremes included."""
+    bits = torch.tensor([[1, -2], [-(2 ** 31), 2 ** 31 - 1]], dtype=torch.int32)
+    for host in ([bits, torch.arange(5), torch.tensor([7, 9], dtype=torch.int32)],   # mixed: int64 buffer
+                 [bits, torch.tensor([0, 3, 5], dtype=torch.int32)]):                 # one dtype
+        moved = paged_kv.to_device(host, device)
+        assert len(moved) == len(host)
+        for a, b in zip(host, moved):
+            assert b.device.type == device and b.dtype == a.dtype and b.shape == a.shape
+            assert torch.equal(b.cpu(), a)

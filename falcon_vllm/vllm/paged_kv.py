@@ -20,6 +20,25 @@ import torch
 
 from falcon_vllm.vllm import patches
 
+# ---------------------------------------------------------------------------- host -> device
+def to_device(tensors, device) -> list[torch.Tensor]:
+    """Small host integer tensors (a step's indices, lengths, tree bits) on ``device``, in one copy.
+
+    Each tensor keeps its dtype and shape.  On CUDA they travel as one buffer (their common dtype, else
+    int64) from pinned memory, queued without waiting for the device (a copy from pageable memory is a host
+    sync); elsewhere they are only moved."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    dt = tensors[0].dtype if len({t.dtype for t in tensors}) == 1 else torch.int64
+    flat = torch.cat([t.reshape(-1).to(dt) for t in tensors]).pin_memory().to(device, non_blocking=True)
+    out, o = [], 0
+    for t in tensors:
+        out.append(flat[o:o + t.numel()].view(t.shape).to(t.dtype))
+        o += t.numel()
+    return out
+
+
 # ---------------------------------------------------------------------------- paged KV layouts
 def kv_layout(impl, layer=None) -> str:
     """The paged layout of a layer's KV cache: ``cpu`` (CPU_ATTN, vec ISAs) or ``flash`` (NHD)."""

@@ -15,7 +15,7 @@ import torch
 
 from falcon_vllm.kernels.tree_attention import causal_tree_bits, pack_mask_rows, pack_tree_mask
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm.paged_kv import dense_attention, kv_layout, paged_kv
+from falcon_vllm.vllm.paged_kv import dense_attention, kv_layout, paged_kv, to_device
 
 
 class SubtreeCache:
@@ -186,12 +186,8 @@ class DraftTreeAttention:
             dev = self.prefix_lens.device
             nq, nk = self.own.shape
             r = torch.arange(self.B + 1, dtype=torch.int32)
-            bits = pack_mask_rows(self.own).repeat(self.B, 1)
-            flat = torch.cat([bits.flatten(), r * nq, r * nk])
-            if dev.type == "cuda":  # one copy from pinned memory, queued without waiting for the device
-                flat = flat.pin_memory().to(dev, non_blocking=True)
-            n, m = bits.numel(), self.B + 1
-            self._bits = (flat[:n].view(bits.shape), flat[n:n + m], flat[n + m:], self.prefix_lens.to(torch.int32))
+            bits, qsl, ksl = to_device([pack_mask_rows(self.own).repeat(self.B, 1), r * nq, r * nk], dev)
+            self._bits = (bits, qsl, ksl, self.prefix_lens.to(torch.int32))
         return self._bits
 
     def _padded_prefix(self, name, kc, vc):

@@ -40,7 +40,7 @@ from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_b
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_tokens, sample_verify
 from falcon_vllm.vllm import patches
-from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, tree_attention_scope
+from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, to_device, tree_attention_scope
 from falcon_vllm.vllm.tree_draft import TreeState, cuda_tree_kernel
 
 
@@ -126,14 +126,14 @@ class VerifyTreeAttention:
     def __init__(self, rows, req_idx, qsl, bits, device, whole: bool):
         self.whole = whole
         self.total = int(qsl[-1])
-        self.rows = (slice(0, self.total) if whole
-                     else torch.as_tensor(rows, dtype=torch.long, device=device))  # token rows (root first)
-        self.req_idx = (slice(0, len(qsl) - 1) if whole
-                        else torch.as_tensor(req_idx, dtype=torch.long, device=device))  # request of each tree
-        self.qlens = torch.as_tensor(np.diff(qsl), dtype=torch.int32, device=device)
-        self.qsl = torch.as_tensor(qsl, dtype=torch.int32, device=device)
-        self.bits = bits.to(device)
-        self.max_w = int(np.diff(qsl).max())
+        qlens = np.diff(qsl)
+        host = [torch.as_tensor(qlens, dtype=torch.int32), torch.as_tensor(qsl, dtype=torch.int32), bits]
+        if not whole:  # token rows (root first) and the request of each tree
+            host += [torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(req_idx, dtype=torch.long)]
+        moved = to_device(host, device)
+        self.qlens, self.qsl, self.bits = moved[:3]
+        self.rows, self.req_idx = ((slice(0, self.total), slice(0, len(qsl) - 1)) if whole else moved[3:])
+        self.max_w = int(qlens.max())
         self._md = None  # the metadata the cached prefix lengths / block table belong to
         self._prefix = self._table = None
 
@@ -269,10 +269,10 @@ def _begin_tree_step(runner, state: TreeState, md, num_scheduled_tokens) -> Tree
             rows.append(root_rows[r] + 1 + np.arange(w))
             roots.append(np.full(w, root_rows[r]))
             depth.append(state.drafted(w).depth[1:].numpy())
-        rows_t = torch.from_numpy(np.concatenate(rows)).to(dev)
-        roots_t = torch.from_numpy(np.concatenate(roots)).to(dev)
-        runner.positions[rows_t] = runner.positions[roots_t] + torch.from_numpy(np.concatenate(depth)).to(
-            dev, runner.positions.dtype)
+        rows_t, roots_t, depth_t = to_device([torch.from_numpy(np.concatenate(rows)),
+                                              torch.from_numpy(np.concatenate(roots)),
+                                              torch.from_numpy(np.concatenate(depth))], dev)
+        runner.positions[rows_t] = runner.positions[roots_t] + depth_t.to(runner.positions.dtype)
         # the attention context of this forward: every request when the others are short causal queries
         # (the tree path then serves the whole batch), else the tree requests only, root first
         whole = all(widths[r] > 0 or n_sched[r] <= MAX_CAUSAL_ROWS for r in range(len(widths)))
