@@ -16,7 +16,8 @@ setup(
     python_requires=">=3.10",
     packages=["falcon_vllm", "falcon_vllm.vllm", "falcon_vllm.train", "falcon_vllm.kernels"],
     package_dir={"falcon_vllm.kernels": "kernels"},
-    package_data={"falcon_vllm": ["drafters/*/*.json", "drafters/*/*.safetensors", "drafters/*/*.md",
+    package_data={"falcon_vllm": ["drafters/*/*.json", "drafters/*/*.safetensors", "drafters/*/*.npz",
+                                  "drafters/*/*.md",
                                   "trees/*.json"]},
     include_package_data=True,
     install_requires=[

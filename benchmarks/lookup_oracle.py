@@ -13,6 +13,9 @@ same steps without running them:
   oracle           per step, whichever of the two the target accepts more of (an upper bound)
   lookup min n     vLLM's matcher with another shortest n-gram (1 or 3 instead of 2), chain elsewhere
   chain+lookup     on chain steps, the chain extended by the lookup continuation of history + chain
+  datastore        (with --datastore) on chain steps, the datastore's draft of the lookup's length where it
+                   has one (falcon_vllm.datastore: the target's stored answers), the chain elsewhere
+  datastore or chain (with --datastore) on chain steps, whichever of the two the target accepts more of
 
 Scores are accepted draft tokens per step over the recorded steps (the shipped default's trajectory:
 a policy that changed one step's acceptance would change the following steps, which are not re-run).
@@ -79,14 +82,15 @@ def record(args) -> dict:
     return out
 
 
-def score(runs) -> dict:
+def score(runs, store=None) -> dict:
     from falcon_vllm.vllm.lookup import lookup_drafts
 
     def look(hist, min_n, k):
         return lookup_drafts(np.array([hist], dtype=np.int32), np.array([len(hist)]), None, np.array([True]),
                              min_n, 4, k, 1 << 20)[0]
 
-    tot = {p: 0 for p in ("shipped", "agree-gated", "oracle", "lookup min n 1", "lookup min n 3", "chain+lookup")}
+    tot = {p: 0 for p in ("shipped", "agree-gated", "oracle", "lookup min n 1", "lookup min n 3", "chain+lookup")
+           + (("datastore", "datastore or chain") if store is not None else ())}
     n = lookup_steps = chain_acc_on_lookup = chain_acc_elsewhere = 0
     for run in runs:
         seq = run["seq"]
@@ -103,6 +107,11 @@ def score(runs) -> dict:
             for m in (1, 3):
                 alt = look(seq[:h], m, len(lk) or 4)
                 tot[f"lookup min n {m}"] += accepted(alt, truth) if alt else a_c
+            if store is not None:
+                ds = [] if lk else store.draft(seq[:h], 4)
+                a_d = accepted(ds, truth) if ds else 0
+                tot["datastore"] += a_l if lk else a_d if ds else a_c
+                tot["datastore or chain"] += a_l if lk else max(a_d, a_c)
             if lk:
                 tot["chain+lookup"] += a_l
             else:
@@ -120,10 +129,26 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--drafter", default=os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    p.add_argument("--datastore", help="also score drafts from this datastore (`falcon-vllm datastore`)")
+    p.add_argument("--save-records", help="write the recorded steps to this JSON file")
+    p.add_argument("--records", help="score the steps of a --save-records file instead of recording them")
     p.add_argument("--name", default="lookup_oracle")
     args = p.parse_args(argv)
     args.datasets = [d for d in args.datasets.split(",") if d]
-    res = {ds: score(runs) for ds, runs in record(args).items()}
+    if args.records:
+        with open(args.records) as f:
+            runs = json.load(f)
+    else:
+        runs = record(args)
+    if args.save_records:
+        with open(args.save_records, "w") as f:
+            json.dump(runs, f)
+    store = None
+    if args.datastore:
+        from falcon_vllm.datastore import Datastore
+
+        store = Datastore.load(args.datastore)
+    res = {ds: score(r, store) for ds, r in runs.items()}
     cmd = "python benchmarks/lookup_oracle.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
     with open(out + ".json", "w") as f:

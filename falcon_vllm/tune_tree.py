@@ -206,7 +206,8 @@ class TreeFile:
     which holds either such a file or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
     ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size), vLLM's
     ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys
-    (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``)."""
+    (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``, ``datastore``,
+    ``datastore_tokens``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
@@ -233,7 +234,7 @@ def read_tree_file(path: str) -> TreeFile:
                     by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()),
                     num_speculative_tokens=n if isinstance(n, int) else None,
                     chain_schedule=data.get("num_speculative_tokens_per_batch_size"),
-                    lookup={key: data[key] for key in LOOKUP_KEYS if key in data},
+                    lookup={key: data[key] for key in LOOKUP_KEYS + ("datastore", "datastore_tokens") if key in data},
                     draft_sample_method=data.get("draft_sample_method"),
                     draft_temperature_scale=data.get("draft_temperature_scale"))
 

@@ -549,7 +549,7 @@ def test_ddp_two_processes_gloo(tmp_path):
 def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     """The smollm2 recipe: gen-data from the stored answers, then each drafter's later stages continue the one
     before (init_from, their own epochs, lr and training conversations), and what is installed is the last
-    stage (stubs: no real training)."""
+    stage, with a datastore of the answers it trained on (stubs: no real training)."""
     from falcon_vllm import models
     from falcon_vllm.train import gen_data, trainer
 
@@ -558,7 +558,8 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     monkeypatch.setattr(gen_data, "run", lambda *a, **k: calls.update(gen=k))
     monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
     installed = []
-    monkeypatch.setattr(trainer, "install_drafter", lambda src, dst: installed.append((src, os.path.basename(dst))))
+    monkeypatch.setattr(trainer, "install_drafter",
+                        lambda src, dst, **kw: installed.append((src, os.path.basename(dst), kw.get("files"))))
     (tmp_path / "w").mkdir()  # (gen-data, stubbed here, makes it)
     trainer.run_recipe("smollm2", str(tmp_path / "w"), log=lambda *a: None)
     assert calls["gen"]["answers"] and os.path.exists(calls["gen"]["answers"])   # shipped answers, featurized
@@ -574,8 +575,14 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
                    ("eagle", "eagle-stage4", "eagle-stage3", 3, 1e-3, None),
                    ("eagle", "eagle-stage5", "eagle-stage4", 2, 3e-4, None)]
     assert {c.layers for c in seen[:5]} == {2} and {c.block_order for c in seen[:5]} == {"reversed"}
-    assert [(os.path.relpath(s, w), d) for s, d in installed] == [
-        ("falcon-stage5", "smollm2-135m-instruct"), ("eagle-stage5/vllm-eagle", "smollm2-135m-instruct-eagle")]
+    assert [(os.path.relpath(s, w), d, f) for s, d, f in installed] == [
+        ("falcon-stage5", "smollm2-135m-instruct", ("config.json", "model.safetensors", "datastore.npz")),
+        ("eagle-stage5/vllm-eagle", "smollm2-135m-instruct-eagle", None)]
+    # the Falcon drafter's datastore: the answers of the 7,680 conversations it trained on (8,192 less 1/16)
+    from falcon_vllm.datastore import Datastore
+
+    store = Datastore.load(os.path.join(w, "falcon-stage5", "datastore.npz"))
+    assert (store.tokens < 0).sum() == 7680 and (store.min_n, store.max_n) == (3, 4)
 
 
 def test_aux_layers_data_drafter_and_training(tmp_path, target, data):

@@ -82,6 +82,10 @@ def _engine_specs(base) -> dict:
         # prompt lookup first (n-grams 2-3, up to 4 tokens), the drafter's chain of 3 otherwise
         "falcon_rnd_lookup": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
+        # ... and the target's stored answers where the request's own tokens repeat nothing (written by the test)
+        "falcon_rnd_lookup_ds": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
+                                         "prompt_lookup_min": 2, "prompt_lookup_max": 3, "datastore": "ds.npz",
+                                         "datastore_tokens": 3}, {}),
         # unpadded drafter batches, adaptive lookup lengths (2, doubled to 4 after a lookup draft accepted whole)
         "falcon_rnd_lookup_unpadded": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4,
                                                "falcon_tokens": 3, "lookup_tokens": 2, "prompt_lookup_min": 2,
@@ -103,6 +107,8 @@ def _engine_specs(base) -> dict:
     for name, (target, spec, kw) in specs.items():
         if spec is not None:
             spec = dict(spec, method="falcon", model=str(base / spec["model"]))
+            if "datastore" in spec:
+                spec["datastore"] = str(base / spec["datastore"])
             kw = dict(kw, per_request_spec_decode_metrics="detailed")
         out[name] = (str(base / target), spec, kw)
     return out
@@ -338,6 +344,61 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     assert n_lookup > 0 and n_falcon > 0, (n_lookup, n_falcon)
     assert lengths == {2} if adaptive else {4}, lengths  # the random target never accepts a lookup draft whole
     assert any(skipped for _, skipped in log)  # batch-1 steps served by lookup alone ran no drafting pass
+
+
+def test_datastore_drafts_where_lookup_finds_nothing(engines, ckpts):
+    """With a datastore, a request whose own tokens repeat nothing gets the stored answers' draft (replayed against
+    the request's history with the same store, at most datastore_tokens long), the drafter's chain only where
+    neither finds one; outputs equal vanilla's, and the requests whose answers the store holds have their stored
+    drafts accepted."""
+    from falcon_vllm.datastore import Datastore
+
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    store = Datastore.from_answers([ref[tuple(p)] for p in PROMPTS[:2]], min_n=2, max_n=3)
+    store.save(str(ckpts["dir"] / "ds.npz"))  # read when the engine starts
+    llm = engines.get("falcon_rnd_lookup_ds")
+    lk = drafter_of(llm).lookup
+    assert lk.store is not None and len(lk.store) == len(store) and lk.store_tokens == 3
+    log, orig = [], lk.merge
+
+    def merge(falcon, probs=None):
+        out = orig(falcon, probs)
+        log.append(dict(zip([r.rsplit("-", 1)[0] for r in runner_of(llm).input_batch.req_ids], out[0])))
+        return out
+
+    lk.merge = merge
+    try:
+        runs = [(p, *_greedy(llm, [p])) for p in PROMPTS + SHORT]
+    finally:
+        del lk.merge
+    counts = {"lookup": 0, "store": 0, "chain": 0}
+    store_accepted = 0
+    for p, toks, outs in runs:
+        t = toks[0]
+        assert t == ref[tuple(p)]
+        m = 1
+        for d in [step[outs[0].request_id] for step in log if outs[0].request_id in step]:
+            if m >= len(t):
+                break
+            hist = p + t[:m]
+            want, kind = _expected_lookup(hist, 2, 3, 4), "lookup"
+            if not want:
+                want, kind = store.draft(hist, 3), "store"  # datastore_tokens 3 below the lookup's 4
+            if want:
+                assert d == want, (p, m, d, want, kind)
+            else:
+                kind = "chain"
+                assert len(d) == 3, (p, m, d)
+            counts[kind] += 1
+            a = 0
+            while a < len(d) and m + a < len(t) and d[a] == t[m + a]:
+                a += 1
+            store_accepted += a if kind == "store" else 0
+            m += a + 1
+    assert counts["store"] > 0 and counts["chain"] > 0, counts
+    assert store_accepted > 10, (store_accepted, counts)  # the stored answers are the target's own
 
 
 @pytest.mark.parametrize("name", ["falcon_rnd_fc2", "falcon_rnd_fc2_unpadded"])

@@ -285,6 +285,53 @@ def test_prompt_lookup_options(dirs, tmp_path):
     assert "prompt_lookup" not in f  # an explicit chain replaces the whole recommendation
 
 
+def test_datastore_option(dirs, tmp_path):
+    """datastore (a `falcon-vllm datastore` file, looked up where prompt lookup finds nothing) needs prompt lookup and
+    a file of the target's token ids; a drafter's serving.json names it relative to its directory, and an explicit
+    datastore keeps the rest of the recommendation (false turns a recommended one off)."""
+    import json
+
+    from falcon_vllm.datastore import Datastore
+
+    ds = tmp_path / "ds.npz"
+    Datastore.from_answers([[1, 2, 3, 4], [2, 3, 5]]).save(str(ds))
+    look = {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    f = _config(dirs, {**look, "datastore": str(ds)}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["datastore"] == str(ds) and f["prompt_lookup"] == [3, 3] and "datastore_tokens" not in f
+    f = _config(dirs, {**look, "datastore": str(ds), "datastore_tokens": 2}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert f["datastore_tokens"] == 2
+    for bad in ({**look, "datastore_tokens": 2}, {**look, "datastore": str(ds), "datastore_tokens": 0}):
+        with pytest.raises(ValueError, match="datastore_tokens must be an integer >= 1 and comes with a datastore"):
+            _config(dirs, bad)
+    assert "datastore" not in _config(dirs, look).speculative_config.draft_model_config.hf_config.falcon
+    with pytest.raises(ValueError, match="looked up with prompt lookup"):
+        _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4,
+                       "datastore": str(ds)})
+    with pytest.raises(ValueError, match="does not exist"):
+        _config(dirs, {**look, "datastore": str(tmp_path / "missing.npz")})
+    big = tmp_path / "big.npz"
+    Datastore.from_answers([[1, V, 3]]).save(str(big))
+    with pytest.raises(ValueError, match=f"token id {V}, outside the target's vocabulary of {V}"):
+        _config(dirs, {**look, "datastore": str(big)})
+    rec = tmp_path / "rec"
+    shutil.copytree(dirs / "good", rec)
+    shutil.copy(ds, rec / "datastore.npz")
+    (rec / "serving.json").write_text(json.dumps({"num_speculative_tokens": 8, "falcon_tokens": 2, "lookup_tokens": 4,
+                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                                  "datastore": "datastore.npz", "datastore_tokens": 3}))
+    f = _config(dirs, {"method": "falcon", "model": str(rec)}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["datastore"] == str(rec / "datastore.npz") and f["prompt_lookup"] == [2, 4] and f["datastore_tokens"] == 3
+    f = _config(dirs, {"method": "falcon", "model": str(rec), "datastore": False}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert "datastore" not in f and f["prompt_lookup"] == [2, 4]
+    f = _config(dirs, {"method": "falcon", "model": str(rec), "datastore": str(ds)}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert f["datastore"] == str(ds) and f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2
+    with pytest.raises(ValueError, match="looked up with prompt lookup"):  # no recommendation to take lookup from
+        _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "datastore": str(ds)})
+
+
 def test_cpu_rms_norm_matches_vllm_native():
     """model.CpuRMSNorm (vLLM's C++ CPU kernels) computes what vLLM's RMSNorm computes natively, with and without
     the residual add; use_cpu_norm_kernels swaps only the norms the kernels take (channels a multiple of 16)."""

@@ -929,12 +929,21 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
                  layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
                  **{**common, "epochs": r.get("falcon_epochs", r["epochs"])})
     eag = staged(os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
+    # the target's answers the drafter trained on, for serving's retrieval drafts (falcon_vllm.datastore)
+    if not os.path.exists(answers):
+        answers = os.path.join(work, "answers.safetensors")
+        gen_data.save_answers(data, answers)
+    from falcon_vllm.datastore import from_answers_file
+
+    os.makedirs(fal["out"], exist_ok=True)
+    from_answers_file(answers, r["num_conversations"])[0].save(os.path.join(fal["out"], "datastore.npz"))
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
            "eagle": eag["final"],
            "total_seconds": round(time.time() - t0, 1)}
     if install:
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
-        install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]))
+        install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]),
+                        files=("config.json", "model.safetensors", "datastore.npz"))
         install_drafter(os.path.join(eag["out"], "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
         out["installed"] = [r["falcon_dir"], r["eagle_dir"]]
     with open(os.path.join(work, "recipe_log.json"), "w") as f:

@@ -80,7 +80,8 @@ def main(args):
                 K, L = sc.num_speculative_tokens, falcon_info.get("lookup_tokens", sc.num_speculative_tokens)
                 size = f"{L} to {K} tokens, adaptive" if L < K else f"up to {K} tokens"
                 how = (f"prompt lookup ({lo}-{hi}-grams, {size}) first, "
-                       f"the drafter's chain of {falcon_info['falcon_tokens']} otherwise")
+                       + ("then the target's stored answers (datastore), " if falcon_info.get("datastore") else "")
+                       + f"the drafter's chain of {falcon_info['falcon_tokens']} otherwise")
             else:
                 how = f"chain K={sc.num_speculative_tokens}"
         n = sum(len(o.token_ids) for o in outs)

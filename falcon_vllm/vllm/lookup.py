@@ -19,6 +19,9 @@ vanilla vLLM's whatever is drafted.  Drafts become per-request lists of differen
 ngram method returns them; that needs vLLM's synchronous scheduler (the CPU platform always runs it;
 on GPU the proposer refuses to start with async scheduling).
 
+With a datastore (``datastore``: :mod:`falcon_vllm.datastore`), a request whose own tokens repeat nothing is
+looked up in the target's stored answers next; the drafter's chain covers what neither finds.
+
 The drafter's own KV cache must still cover every verified token, so the drafter's chunk pass runs
 every step; only the drafting passes are skipped when every request of the step has a lookup draft.
 """
@@ -28,13 +31,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from falcon_vllm.datastore import Datastore
+
 
 def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray | None, use: np.ndarray,
-                  min_n: int, max_n: int, k, max_model_len: int) -> list[list[int]]:
+                  min_n: int, max_n: int, k, max_model_len: int, store: Datastore | None = None,
+                  store_tokens: int | None = None) -> list[list[int]]:
     """Per request i (``use[i]``): the lookup draft after its history (at most ``k`` tokens, or ``k[i]``), else [].
 
     The history of request i is ``token_ids_cpu[i, :num_tokens[i]]`` followed by this step's sampled
     tokens ``sampled[i]`` that are not placeholders (< 0); ``sampled`` None: the history already holds them.
+    With a ``store``, a request whose history repeats nothing gets the datastore's draft instead, if any (at most
+    ``store_tokens`` tokens when given).
     """
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
 
@@ -47,7 +55,11 @@ def lookup_drafts(token_ids_cpu: np.ndarray, num_tokens: np.ndarray, sampled: np
         if sampled is not None:
             new = sampled[i][sampled[i] >= 0]
             hist = np.concatenate([hist, new.astype(token_ids_cpu.dtype)])
-        out.append(find(hist, min_n, max_n, max_model_len, int(k if np.isscalar(k) else k[i])).tolist())
+        n = int(k if np.isscalar(k) else k[i])
+        draft = find(hist, min_n, max_n, max_model_len, n).tolist()
+        if not draft and store is not None:
+            draft = store.draft(hist, min(n, store_tokens or n, max_model_len - len(hist)))
+        out.append(draft)
     return out
 
 
@@ -60,8 +72,11 @@ def warm_up() -> None:
 class LookupState:
     """What one runner step's lookup decided (set by the runner hook, read by the proposer)."""
 
-    def __init__(self, min_n: int, max_n: int, falcon_tokens: int, lookup_tokens: int | None = None):
+    def __init__(self, min_n: int, max_n: int, falcon_tokens: int, lookup_tokens: int | None = None,
+                 store: Datastore | None = None, store_tokens: int | None = None):
         self.min_n, self.max_n, self.falcon_tokens = min_n, max_n, falcon_tokens
+        self.store = store  # the target's stored answers, where the request's own tokens repeat nothing
+        self.store_tokens = store_tokens  # the longest datastore draft (None: as long as a lookup draft)
         self.lookup_tokens = lookup_tokens  # None: every lookup draft up to the step's budget
         self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
@@ -89,7 +104,8 @@ class LookupState:
         if self.lookup_tokens is not None:  # also at a budget k <= lookup_tokens: the record stays current
             hist = num_tokens + (0 if sampled is None else (sampled >= 0).sum(1))
             lengths = self._lengths(req_ids, hist, k)
-        drafts = lookup_drafts(token_ids, num_tokens, sampled, use, self.min_n, self.max_n, lengths, max_model_len)
+        drafts = lookup_drafts(token_ids, num_tokens, sampled, use, self.min_n, self.max_n, lengths, max_model_len,
+                               self.store, self.store_tokens)
         if self.lookup_tokens is not None:
             self._runs = {r: (int(n), len(d), L) for r, n, d, L in zip(req_ids, hist, drafts, lengths)}
         return drafts

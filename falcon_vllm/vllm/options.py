@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from falcon_vllm.config import FalconConfig
+from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import build_tree
 from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
 
@@ -34,13 +35,17 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 #   falcon_tokens  with prompt lookup: the drafter's chain length where lookup finds nothing (default K)
 #   lookup_tokens  with prompt lookup: a request's lookup draft length after a rejection; it doubles after a
 #             fully accepted lookup draft, up to K (default K: every lookup draft up to K tokens)
+#   datastore  with prompt lookup: a `falcon-vllm datastore` file of the target's answers, looked up where a
+#             request's own tokens repeat nothing (in a drafter's serving.json: relative to its directory); false: off
+#   datastore_tokens  with a datastore: its drafts' longest length (default: a lookup draft's)
 #   draft_gemm_dtype  "auto", "bfloat16" or "model": the dtype of the drafter's matmuls (default: the
 #             environment's FALCON_VLLM_DRAFT_GEMM_DTYPE, else auto).  auto is bfloat16 on CPUs with bf16 matmul
 #             units serving an fp32 model (the drafter reads half the weight bytes per pass), the model's dtype
 #             elsewhere; drafts may change slightly, outputs never do.
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
-FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "draft_gemm_dtype", "draft_temperature_scale"}
+FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "datastore", "datastore_tokens",
+               "draft_gemm_dtype", "draft_temperature_scale"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -191,9 +196,29 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                 sc[key] = v
         if rec_scale is not None and sc.get("draft_sample_method") == "probabilistic":
             sc.setdefault("draft_temperature_scale", rec_scale)
+        rec_store = {key: lookup_rec.pop(key) for key in ("datastore", "datastore_tokens") if key in lookup_rec}
         if not any(key in sc for key in LOOKUP_KEYS):
             sc.update(lookup_rec)
+            if isinstance(rec_store.get("datastore"), str) and "datastore" not in sc:  # relative to the drafter
+                sc["datastore"] = os.path.join(path, rec_store["datastore"])
+                sc.setdefault("datastore_tokens", rec_store.get("datastore_tokens"))
+    store = sc.pop("datastore", None)
+    store = None if store is False else store  # false: off (e.g. over a drafter's recommended configuration)
+    store_tokens = sc.pop("datastore_tokens", None)
+    if store_tokens is not None and (store is None or not isinstance(store_tokens, int)
+                                     or isinstance(store_tokens, bool) or store_tokens < 1):
+        raise ValueError(f"falcon-vllm: datastore_tokens must be an integer >= 1 and comes with a datastore, got "
+                         f"{store_tokens!r}" + ("" if store is not None else " without one"))
     lookup = _lookup_options(sc)  # pops the prompt-lookup keys
+    if store is not None:
+        if not isinstance(store, str) or lookup is None:
+            raise ValueError("falcon-vllm: datastore (a `falcon-vllm datastore` file, or false) is looked up with "
+                             "prompt lookup: give prompt_lookup_max too, and the file's path as a string "
+                             f"(got {store!r})")
+        ds = Datastore.load(store)  # clear errors: missing or unreadable file
+        if ds.max_token() >= target_hf.vocab_size:
+            raise ValueError(f"falcon-vllm: datastore {store!r} holds token id {ds.max_token()}, outside the target's "
+                             f"vocabulary of {target_hf.vocab_size}: it was built for another target")
     scale = sc.pop("draft_temperature_scale", None)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
@@ -249,6 +274,10 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
             if v > n:
                 raise ValueError(f"falcon-vllm: {key}={v} is above num_speculative_tokens={n}")
         info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens, lookup_tokens=lookup_tokens)
+        if store is not None:
+            info["datastore"] = os.path.abspath(store)
+            if store_tokens is not None:
+                info["datastore_tokens"] = store_tokens
     return sc, info
 
 

@@ -20,8 +20,9 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
   drafter's weights once; elsewhere (FlashAttention takes per-request causal flags only from FA4) they
   run as two passes.  Both give the same drafts.
 * prompt lookup (``prompt_lookup_max``, :mod:`falcon_vllm.vllm.lookup`): a request whose tokens end in a
-  repeated n-gram gets vLLM's n-gram draft instead; the drafter's chain covers the others, and when every
-  request of a step has a lookup draft only the chunk's K/V is written.
+  repeated n-gram gets vLLM's n-gram draft instead (or, with a ``datastore``, one retrieved from the target's
+  stored answers); the drafter's chain covers the others, and when every request of a step has a lookup
+  draft only the chunk's K/V is written.
 * passes 2..: one k-token block per request at positions ``p+1+k(q-1) ..``, whose input tokens
   are the previous block's k drafted tokens and whose input features are the previous block's k
   outputs, attending to the paged prefix, the earlier blocks and (non-causally) itself.
@@ -55,6 +56,7 @@ from vllm.platforms import current_platform
 from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy (vLLM's sampler)
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm import lookup, patches, tree_verify
 from falcon_vllm.vllm.lookup import LookupState
@@ -111,7 +113,10 @@ class FalconProposer(EagleProposer):
                                  "drafts of different lengths, which vLLM's async scheduler cannot take: run with "
                                  "--no-async-scheduling")
             lo, hi = self.falcon["prompt_lookup"]
-            self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"], self.falcon.get("lookup_tokens"))
+            store = self.falcon.get("datastore")
+            self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"], self.falcon.get("lookup_tokens"),
+                                      Datastore.load(store).build() if store else None,
+                                      self.falcon.get("datastore_tokens"))
             lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
