@@ -21,6 +21,14 @@ def test_draft_votes_the_continuation_of_the_longest_stored_suffix():
     assert st.draft([7, 6], 4) == [] and st.draft([6], 4) == [] and st.draft([10, 1], 4) == []
 
 
+def test_no_draft_where_the_stored_answers_disagree():
+    """Fewer than half of the matching places agreeing on the next token: no draft (the drafter's chain drafts)."""
+    st = Datastore.from_answers([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 2, 5, 6]], min_n=2, max_n=2)
+    assert st.draft([1, 2], 4) == [5, 6]  # 5 at two of four places: half agree
+    st = Datastore.from_answers([[1, 2, 3], [1, 2, 4], [1, 2, 5]], min_n=2, max_n=2)
+    assert st.draft([1, 2], 4) == []      # one in three
+
+
 def test_drafts_stop_at_an_answers_end():
     st = Datastore.from_answers([[1, 2, 3], [4, 5, 6, 7]], min_n=2, max_n=2)
     assert st.draft([1, 2], 8) == [3]  # the first answer ends there: nothing from the second one follows
