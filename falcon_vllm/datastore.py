@@ -6,8 +6,9 @@ recur from one answer to the next.  The datastore holds the target's answers to 
 training prompts (``gen-data --save-answers``, the tokens it already produced for distillation) and,
 for the last ``max_n`` .. ``min_n`` tokens of a request, proposes the continuation those answers
 agree on: at each position, the token that most of the matching places continue with, among the
-places still consistent with the draft so far (nothing where fewer than half agree on the first).  Drafting is retrieval (a sorted array of n-gram
-hashes), so a draft costs no drafter pass.
+places still consistent with the draft so far (nothing where fewer than half agree on the first).
+Drafting is retrieval (a sorted array of n-gram hashes): a step whose requests all have such drafts
+runs no drafting pass (the drafter still writes its KV cache for the verified tokens).
 
 Verification is unchanged, so outputs are exactly vanilla vLLM's whatever is drafted.
 
@@ -155,7 +156,8 @@ def from_answers_file(path: str, num_conversations: int = 0, min_n: int = 3, max
         with safe_open(path, "np") as f:
             tokens, mask, offs = f.get_tensor("tokens"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
     except Exception as e:
-        raise ValueError(f"falcon-vllm: datastore: answers file {path} could not be read ({type(e).__name__}: {e})")
+        raise ValueError(f"falcon-vllm: datastore: answers file {path} could not be read ({type(e).__name__}: {e})"
+                         ) from None
     n = len(offs) - 1 if num_conversations <= 0 else min(num_conversations, len(offs) - 1)
     n -= max(1, n // 16) if n > 1 else 0  # train's held-out conversations (split_held_out) stay out
     segs = [tokens[a:b][mask[a:b] == 1] for a, b in zip(offs[:n], offs[1:n + 1])]
