@@ -76,6 +76,8 @@ def _engine_specs(base) -> dict:
         # vLLM's dynamic speculation: K=3 up to batch 3, no drafts from batch 4
         "falcon_rnd_sched": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 3,
                                      "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 1 << 20, 0]]}, {}),
+        # chains cut where the drafter's probability of them falls below draft_confidence (the test sets it)
+        "falcon_rnd_gate": ("rnd", {"model": "rnd_fc2_k2", "num_speculative_tokens": 4, "draft_confidence": 1e-9}, {}),
         "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
         "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
         "ctx": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
@@ -98,6 +100,9 @@ def _engine_specs(base) -> dict:
         # drafts sampled from the drafter, their distributions verified by vLLM's rejection sampler
         "ctx_prob": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4,
                              "draft_sample_method": "probabilistic"}, {}),
+        # ... cut where the drafter's probability of the drawn tokens falls below 0.1 (draft_confidence)
+        "ctx_prob_gate": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4,
+                                  "draft_sample_method": "probabilistic", "draft_confidence": 0.1}, {}),
         # ... with lookup, a head over half the vocabulary, and the drafter at half the request's temperature
         "ctx_lookup_prob": ("ctx", {"model": "exact_k2_half", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 2,
@@ -401,6 +406,63 @@ def test_datastore_drafts_where_lookup_finds_nothing(engines, ckpts):
     assert store_accepted > 10, (store_accepted, counts)  # the stored answers are the target's own
 
 
+def test_draft_confidence_cuts_chains(engines, ckpts):
+    """draft_confidence: each request's chain stops before its first token where the product of the drafter's
+    probabilities of its tokens falls below the threshold, and the second drafter pass (K=4, k=2) runs only when some
+    request's first block passed whole; the probabilities are the drafter's softmax at its drafted (argmax) tokens.
+    Outputs equal vanilla's at batch 1 and 6.  The thresholds are medians of a first run's products (of the first
+    token's probability, of the first three's), so that empty drafts, drafts stopping in either block, and steps with
+    and without the second pass all occur."""
+    ref = ckpts.get("vanilla")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get("falcon_rnd_gate")
+    prop = drafter_of(llm)
+    log, same = [], []
+    orig_cut, orig_draft = prop.cut, prop._draft
+
+    def draft(rows, sm=None, probs=None, conf=None):
+        toks = orig_draft(rows, sm, probs, conf)
+        p = prop.model.compute_logits(rows.reshape(-1, rows.shape[-1])).float().softmax(-1).amax(-1)
+        same.append(conf is not None and torch.allclose(conf[-1].reshape(-1).cpu(), p.cpu()))
+        return toks
+
+    def cut(chain):
+        conf = prop.last_confidence.cpu().clone()
+        log.append((chain.tolist(), conf, prop.passes, orig_cut(chain)))
+        return log[-1][-1]
+
+    prop._draft, prop.cut = draft, cut
+    lengths, second = [], []
+    try:
+        _greedy(llm, PROMPTS)
+        conf = torch.cat([c for _, c, _, _ in log])
+        for j in (1, 3):  # thresholds: the median of the first token's probability, of the first three's product
+            tau = float(conf[:, :j].prod(1).median())
+            prop.draft_confidence = tau
+            log.clear()
+            single = [_greedy(llm, [p])[0][0] for p in PROMPTS]
+            batched = _greedy(llm, PROMPTS + SHORT)[0]
+            assert single == [ref[tuple(p)] for p in PROMPTS]
+            assert batched == [ref[tuple(p)] for p in PROMPTS + SHORT]
+            for i, (chain, c, passes, out) in enumerate(log):
+                ran = len(chain[0]) == 4
+                assert ran == bool((c[:, :2].prod(1) >= tau).any()), (c, tau)
+                second.append(ran)
+                if i:  # this step's drafter passes: the fused one, and the second when it ran
+                    assert passes - log[i - 1][2] == 1 + ran
+                for row, p, d in zip(chain, c, out):
+                    n = int((p.cumprod(0) >= tau).sum())
+                    assert d == row[:n], (row, p, d, tau)
+                    lengths.append(n)
+    finally:
+        del prop._draft, prop.cut
+        prop.draft_confidence = 1e-9
+    assert same and all(same)
+    # no draft, drafts stopped inside the first block and drafts that went on into the second; steps with and without it
+    assert {0, 1, 3} <= set(lengths) and any(second) and not all(second), (sorted(set(lengths)), second)
+
+
 @pytest.mark.parametrize("name", ["falcon_rnd_fc2", "falcon_rnd_fc2_unpadded"])
 def test_fused_chunk_pass_equals_two_passes(engines, ckpts, name):
     """On CPU the chunk pass and the relaxed block run as one drafter pass (per-request causal flags); with a
@@ -569,13 +631,13 @@ def _draft_probs_seen(llm):
     return seen
 
 
-@pytest.mark.parametrize("name", ["ctx_prob", "ctx_lookup_prob"])
+@pytest.mark.parametrize("name", ["ctx_prob", "ctx_prob_gate", "ctx_lookup_prob"])
 def test_sampled_drafts_are_lossless(engines, ckpts, name):
     """draft_sample_method "probabilistic": the drafter's tokens are drawn from its distribution at the request's
     temperature and that distribution goes to vLLM's rejection sampler (with prompt lookup, one-hot rows for the
     lookup drafts, a head over half the vocabulary, its probabilities placed at their target ids, and the drafter
-    at half the request's temperature: draft_temperature_scale 0.5); at temperature 1 and 0.7 the tokens follow
-    the target's distribution.  Greedy requests stay token-identical to vanilla's, alone and in a batch of
+    at half the request's temperature: draft_temperature_scale 0.5; with draft_confidence, drafts cut where the
+    drawn tokens' probability falls below it); at temperature 1 and 0.7 the tokens follow the target's distribution.  Greedy requests stay token-identical to vanilla's, alone and in a batch of
     sampled requests (at T 0.7, where the chi-square also checks the sampled rows among them)."""
     greedy = [list(range(300, 340)), [5, 9, 5, 9, 5, 9]]
     want = _greedy(engines.get("vanilla_ctx"), greedy, 16)[0]   # before the engine below (the cache may evict it)
@@ -586,8 +648,8 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
     support[ckpts["half"] if name == "ctx_lookup_prob" else slice(None)] = True
     orig = prop._draft
 
-    def draft(rows, sm=None, probs=None):  # each pass's distributions: normalised, on the head's target ids only,
-        toks = orig(rows, sm, probs)           # positive at the tokens drawn from them
+    def draft(rows, sm=None, probs=None, conf=None):  # each pass's distributions: normalised, on the head's target
+        toks = orig(rows, sm, probs, conf)                # ids only, positive at the tokens drawn from them
         if probs:
             p, t = probs[-1].cpu(), toks.cpu()
             (ok if torch.allclose(p.sum(-1), torch.ones(())) and not p[..., ~support].any()
@@ -595,6 +657,8 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
         return toks
 
     prop._draft = draft
+    lengths, orig_cut = [], prop.cut
+    prop.cut = lambda chain: [lengths.append(len(d)) or d for d in orig_cut(chain)]
     for temperature in (1.0, 0.7):   # at 0.7 greedy requests share the batch: their rows keep the argmax
         chi2, counts, expected, c, mixed = _sample_chi_square(llm, ckpts, temperature, None, None, repeat=2,
                                                               greedy=greedy if temperature < 1 else ())
@@ -607,6 +671,8 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
     if name == "ctx_lookup_prob":
         lk = drafter_of(llm).lookup
         assert lk.lookup_drafts and lk.falcon_drafts
+    if name == "ctx_prob_gate":  # empty, cut and whole drafts were verified
+        assert {0, 4} <= set(lengths) and set(lengths) & {1, 2, 3}, sorted(set(lengths))
     assert _greedy(llm, greedy, 16)[0] == want
 
 

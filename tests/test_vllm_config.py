@@ -332,6 +332,24 @@ def test_datastore_option(dirs, tmp_path):
         _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "datastore": str(ds)})
 
 
+def test_draft_confidence_option(dirs):
+    """draft_confidence (chain drafts cut where the drafter's probability of them falls below it) takes a number in
+    [0, 1), in chain mode only (with or without prompt lookup); 0 leaves it off."""
+    chain = {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4}
+    f = _config(dirs, {**chain, "draft_confidence": 0.1}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["draft_confidence"] == 0.1 and f["mode"] == "chain"
+    f = _config(dirs, {**chain, "draft_confidence": 0.2, "prompt_lookup_max": 3}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert f["draft_confidence"] == 0.2 and f["prompt_lookup"] == [3, 3]
+    assert "draft_confidence" not in _config(dirs, {**chain, "draft_confidence": 0}
+                                             ).speculative_config.draft_model_config.hf_config.falcon
+    for bad in (1, 1.0, -0.1, True, "0.1", [0.1]):
+        with pytest.raises(ValueError, match="draft_confidence must be a number in \\[0, 1\\)"):
+            _config(dirs, {**chain, "draft_confidence": bad})
+    with pytest.raises(ValueError, match="draft_confidence cuts chain drafts"):
+        _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "tree": "tree-2x2x1", "draft_confidence": 0.1})
+
+
 def test_cpu_rms_norm_matches_vllm_native():
     """model.CpuRMSNorm (vLLM's C++ CPU kernels) computes what vLLM's RMSNorm computes natively, with and without
     the residual add; use_cpu_norm_kernels swaps only the norms the kernels take (channels a multiple of 16)."""

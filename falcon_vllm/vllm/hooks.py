@@ -12,8 +12,8 @@ touched, and the one helper that installs a wrapper, are in :mod:`falcon_vllm.vl
    ``method == "eagle"``): :class:`falcon_vllm.vllm.proposer.FalconProposer`, which delegates to
    stock EAGLE unless the draft config is Falcon's.
 
-5. The no-drafts fast path and prompt lookup first (``GPUModelRunner.propose_draft_token_ids``:
-   :mod:`falcon_vllm.vllm.lookup`), and tree mode's runner
+5. The no-drafts fast path, chain drafts cut by ``draft_confidence`` and prompt lookup first
+   (``GPUModelRunner.propose_draft_token_ids``: :mod:`falcon_vllm.vllm.lookup`), and tree mode's runner
    and attention hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.vllm.paged_kv`).
 
 ``install()`` first checks that every internal the plugin relies on is still where it expects
@@ -162,12 +162,17 @@ def _propose_draft_token_ids(orig):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafter = falcon_proposer(self)
         K = scheduler_output.num_spec_tokens_to_schedule
-        if drafter is None or K != 0 and drafter.lookup is None:
+        if drafter is None or K != 0 and drafter.lookup is None and not drafter.draft_confidence:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        if K != 0:  # prompt lookup first, the drafter's chain otherwise
-            drafter.lookup.plan(self, sampled_token_ids, K)
+        if K != 0:  # prompt lookup first, the drafter's chain otherwise; chains cut by draft_confidence
+            if drafter.lookup is not None:
+                drafter.lookup.plan(self, sampled_token_ids, K)
             self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
+                chain = drafter.cut(chain)
+            if drafter.lookup is None:
+                return chain
             drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
             return drafts
         if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):

@@ -122,14 +122,15 @@ class LookupState:
             out.append(max(1, min(L, k)))
         return out
 
-    def merge(self, falcon: torch.Tensor,
+    def merge(self, falcon: torch.Tensor | list[list[int]],
               probs: torch.Tensor | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
-        """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K]).
+        """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K], or per-request
+        lists: chains cut by ``draft_confidence``).
 
         Returns (drafts, probs).  ``probs``: the chain's draft distributions [B, <=K, V] (draft_sample_method
         "probabilistic"), returned merged, [B, longest draft, V], a lookup draft's rows one-hot at its tokens (a
         point-mass proposal, as vLLM verifies drafts that come without probabilities); None stays None."""
-        rows = falcon.tolist()
+        rows = falcon if isinstance(falcon, list) else falcon.tolist()
         drafts = self.drafts
         out = [d if d else rows[i] for i, d in enumerate(drafts)]
         n = sum(1 for d in drafts if d)

@@ -38,6 +38,10 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 #   datastore  with prompt lookup: a `falcon-vllm datastore` file of the target's answers, looked up where a
 #             request's own tokens repeat nothing (in a drafter's serving.json: relative to its directory); false: off
 #   datastore_tokens  with a datastore: its drafts' longest length (default: a lookup draft's)
+#   draft_confidence  chain mode: a request's chain draft stops before its first token where the product of the
+#             drafter's probabilities of its tokens so far falls below this (0 <= value < 1; default 0: every token),
+#             and a further drafter pass runs only while some request's draft is still going; rows unlikely to be
+#             accepted are not verified (each verified row costs target arithmetic on a CPU)
 #   draft_gemm_dtype  "auto", "bfloat16" or "model": the dtype of the drafter's matmuls (default: the
 #             environment's FALCON_VLLM_DRAFT_GEMM_DTYPE, else auto).  auto is bfloat16 on CPUs with bf16 matmul
 #             units serving an fp32 model (the drafter reads half the weight bytes per pass), the model's dtype
@@ -45,7 +49,7 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
 FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "datastore", "datastore_tokens",
-               "draft_gemm_dtype", "draft_temperature_scale"}
+               "draft_gemm_dtype", "draft_temperature_scale", "draft_confidence"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -226,6 +230,10 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         if sc.get("draft_sample_method") != "probabilistic":
             raise ValueError("falcon-vllm: draft_temperature_scale (the drafter's temperature over the request's) "
                              "applies to sampled drafts: give draft_sample_method \"probabilistic\" too")
+    confidence = sc.pop("draft_confidence", None)
+    if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
+                                   or not 0 <= confidence < 1):
+        raise ValueError(f"falcon-vllm: draft_confidence must be a number in [0, 1), got {confidence!r}")
     tree = None
     if tree_spec is not None:
         tree = build_tree(tree_spec, cfg.k)
@@ -253,7 +261,12 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         raise ValueError(f"falcon-vllm: draft_sample_method={sc['draft_sample_method']!r} runs in chain mode (vLLM's "
                          "rejection sampler reads the drafts' probabilities); tree mode drafts each node greedily. "
                          "Give a chain (num_speculative_tokens) or drop draft_sample_method")
+    if tree_mode and confidence:
+        raise ValueError("falcon-vllm: draft_confidence cuts chain drafts; tree mode verifies its whole tree. Give a "
+                         "chain (num_speculative_tokens) or drop draft_confidence")
     info = {} if gemm is None else {"draft_gemm_dtype": gemm}
+    if confidence:
+        info["draft_confidence"] = float(confidence)
     if scale is not None:
         info["draft_temperature_scale"] = float(scale)
     if tree_mode:

@@ -23,6 +23,10 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
   repeated n-gram gets vLLM's n-gram draft instead (or, with a ``datastore``, one retrieved from the target's
   stored answers); the drafter's chain covers the others, and when every request of a step has a lookup
   draft only the chunk's K/V is written.
+* ``draft_confidence``: each chain draft stops before its first token where the product of the drafter's
+  probabilities of its tokens (a sampled draft's: of the drawn tokens) falls below the threshold
+  (:meth:`FalconProposer.cut`, applied by the runner hook), and a further pass runs only while some request's draft
+  is still going.
 * passes 2..: one k-token block per request at positions ``p+1+k(q-1) ..``, whose input tokens
   are the previous block's k drafted tokens and whose input features are the previous block's k
   outputs, attending to the paged prefix, the earlier blocks and (non-causally) itself.
@@ -105,8 +109,15 @@ class FalconProposer(EagleProposer):
         self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
         # sampled drafts (draft_sample_method "probabilistic"): the drafter's temperature over the request's
         self.draft_temperature_scale = float((self.falcon or {}).get("draft_temperature_scale", 1.0))
+        # draft_confidence: a chain draft stops where the drafter's probability of it so far falls below this
+        self.draft_confidence = float((self.falcon or {}).get("draft_confidence", 0.0))
+        self.draft_lengths: list[int] | None = None  # this step's chain lengths under draft_confidence
+        self.last_confidence: torch.Tensor | None = None  # [B, K]: the drafter's probability of each chain token
         if not self.falcon:
             return
+        if self.draft_confidence and vllm_config.scheduler_config.async_scheduling:
+            raise ValueError("falcon-vllm: draft_confidence gives requests drafts of different lengths, which vLLM's "
+                             "async scheduler cannot take: run with --no-async-scheduling")
         if self.falcon.get("prompt_lookup"):
             if vllm_config.scheduler_config.async_scheduling:
                 raise ValueError("falcon-vllm: prompt_lookup_max (prompt lookup first, Falcon otherwise) gives requests "
@@ -169,6 +180,7 @@ class FalconProposer(EagleProposer):
         if self.lookup is not None:  # the drafter's chain where prompt lookup finds nothing
             K = min(K, self.lookup.falcon_tokens)
         self._last_draft_probs = None  # greedy drafts: one-hot proposals for the rejection sampler
+        self.draft_lengths = None
         B = common_attn_metadata.batch_size()
         if K == 0:
             # vLLM's dynamic speculation turned drafting off at this batch size (e.g. a tune-tree fit):
@@ -203,17 +215,31 @@ class FalconProposer(EagleProposer):
         # draft_sample_method "probabilistic": tokens sampled from the drafter at each request's temperature, their
         # distributions handed to vLLM's rejection sampler (take_last_draft_probs); else the drafter's argmax
         probs = [] if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy else None
-        drafted = [self._draft(rows, sampling_metadata, probs)]
+        conf = [] if self.draft_confidence else None  # the drafter's probability of each drafted token
+        drafted = [self._draft(rows, sampling_metadata, probs, conf)]
         # passes 2..: one k-token block per request on top of the previous one
         next_pos = positions[:, -1:] + 1 + torch.arange(k, device=positions.device)[None]  # [B, k]
         for q in range(1, math.ceil(K / k)):
+            if conf is not None and not bool((torch.cat(conf, 1).prod(1) >= self.draft_confidence).any()):
+                break  # every request's draft already stops: no further pass
             rows = self._block_pass(cad, drafted[-1], rows, next_pos + k * (q - 1), writes=None, extra_len=q * k)
-            drafted.append(self._draft(rows, sampling_metadata, probs))
+            drafted.append(self._draft(rows, sampling_metadata, probs, conf))
         if self.steps == 1:
-            logger.info("falcon-vllm: drafted K=%d tokens in %d drafter passes (k=%d)", K, len(drafted), k)
+            logger.info("falcon-vllm: drafted K=%d tokens in %d drafter passes (k=%d)", K, math.ceil(K / k), k)
         if probs is not None:
             self._last_draft_probs = torch.cat(probs, dim=1)[:, :K].contiguous()
+        if conf is not None:
+            self.last_confidence = torch.cat(conf, 1)[:, :K]
+            self.draft_lengths = (self.last_confidence.cumprod(1) >= self.draft_confidence).sum(1).tolist()
         return torch.cat(drafted, dim=1)[:, :K].to(torch.int64)
+
+    def cut(self, chain: torch.Tensor) -> list[list[int]]:
+        """This step's chain drafts [B, <=K] as per-request lists, each cut to its ``draft_confidence`` length."""
+        rows = chain.tolist()
+        if self.draft_lengths is not None:
+            rows = [r[:n] for r, n in zip(rows, self.draft_lengths)]
+            self.draft_lengths = None
+        return rows
 
     # ------------------------------------------------------------------ tree mode
     def _draft_tree(self, cad, rows: torch.Tensor, positions: torch.Tensor, K: int) -> torch.Tensor:
@@ -410,16 +436,22 @@ class FalconProposer(EagleProposer):
         outside = (positions < 0) | (positions >= self.max_model_len)
         return torch.where(outside, PADDING_SLOT_ID, slots).reshape(-1)
 
-    def _draft(self, rows: torch.Tensor, sampling_metadata=None, probs: list | None = None) -> torch.Tensor:
+    def _draft(self, rows: torch.Tensor, sampling_metadata=None, probs: list | None = None,
+               conf: list | None = None) -> torch.Tensor:
         """rows [B, k, H] -> draft tokens [B, k] (target ids).  ``probs`` None: the drafter's argmax.  Else tokens
         sampled from the drafter at each request's temperature (vLLM's draft sampling: greedy requests keep the
         argmax; a seeded request's draws come from its generator; ``draft_temperature_scale`` scales the sampled
         rows' temperatures), and their distributions over the target's vocabulary, [B, k, V], appended to
-        ``probs``: whatever it draws from, the rejection sampler is handed that distribution."""
+        ``probs``: whatever it draws from, the rejection sampler is handed that distribution.  ``conf``: a list to
+        append the drafter's probability of each drafted token to, [B, k] (the drawn token's under its temperature)."""
         B, k, H = rows.shape
         head = unwrap_model(self.model)
         logits = self.model.compute_logits(rows.reshape(B * k, H))
         if probs is None:
+            if conf is not None:
+                p, ids = logits.float().softmax(-1).max(-1)
+                conf.append(p.view(B, k))
+                return head.to_target_ids(ids).view(B, k)
             return head.to_target_ids(logits.argmax(-1)).view(B, k)
         sm, s = sampling_metadata, self.draft_temperature_scale
         if s != 1.0 and sm.temperature is not None:  # sampled rows at s x their temperature (greedy rows stay)
@@ -430,6 +462,8 @@ class FalconProposer(EagleProposer):
             if i < B:                                        # output repeats whatever else the engine runs
                 r = slice(i * k, (i + 1) * k)
                 ids[r] = (p[r] / torch.empty_like(p[r]).exponential_(generator=gen)).argmax(-1)
+        if conf is not None:
+            conf.append(p.gather(1, ids.view(-1, 1)).view(B, k).float())
         if head.truncated:  # the draft vocabulary's probabilities at their target ids, zero elsewhere
             if getattr(self, "_draft_vocab_ids", None) is None:
                 self._draft_vocab_ids = head.to_target_ids(torch.arange(p.shape[-1], device=p.device))
