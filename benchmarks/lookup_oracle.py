@@ -158,10 +158,9 @@ def gated(runs, taus=(0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4), lengths=(2, 4), k: i
     for run in runs:
         seq = run["seq"]
         for step in run["steps"]:
-            h, lk, chain = step[:3]
-            conf = step[3] if len(step) > 3 else None
-            if conf is None:
+            if len(step) < 4:
                 raise ValueError("these records have no chain probabilities: record them again")
+            h, lk, chain, conf = step
             truth = seq[h:h + 16]
             n_steps += 1
             if not lk:
@@ -237,8 +236,10 @@ def main(argv=None) -> None:
     res = {ds: score(r, store) for ds, r in runs.items()}
     cmd = "python benchmarks/lookup_oracle.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
+    gates = {ds: gated(r) for ds, r in runs.items()} if args.gated else None
     with open(out + ".json", "w") as f:
-        json.dump({"command": cmd, "machine": cpu_name(), "results": res}, f, indent=1)
+        json.dump({"command": cmd, "machine": cpu_name(), "results": res} | ({"gated": gates} if gates else {}), f,
+                  indent=1)
     policies = list(next(iter(res.values()))["accepted_per_step"])
     chain = max(len(step[2]) for r in runs.values() for run in r for step in run["steps"])
     lines = [f"# Prompt lookup against the drafter's chain, per step: {args.name}", "", f"Command: `{cmd}`", "",
@@ -252,11 +253,7 @@ def main(argv=None) -> None:
         lines.append(f"| {ds} | {r['steps']} | {r['lookup_steps']} | {r['chain_accepted_on_chain_steps']:.2f} | "
                      f"{r['chain_accepted_on_lookup_steps']:.2f} | "
                      + " | ".join(f"{r['accepted_per_step'][q]:.3f}" for q in policies) + " |")
-    if args.gated:
-        gates = {ds: gated(r) for ds, r in runs.items()}
-        res_all = {"command": cmd, "machine": cpu_name(), "results": res, "gated": gates}
-        with open(out + ".json", "w") as f:
-            json.dump(res_all, f, indent=1)
+    if gates:
         g0 = next(iter(gates.values()))
         lines += ["", "## Confidence-gated chains", "",
                   f"On each chain step the chain is cut before its first token where the product of the drafter's "

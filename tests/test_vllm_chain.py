@@ -637,8 +637,9 @@ def test_sampled_drafts_are_lossless(engines, ckpts, name):
     temperature and that distribution goes to vLLM's rejection sampler (with prompt lookup, one-hot rows for the
     lookup drafts, a head over half the vocabulary, its probabilities placed at their target ids, and the drafter
     at half the request's temperature: draft_temperature_scale 0.5; with draft_confidence, drafts cut where the
-    drawn tokens' probability falls below it); at temperature 1 and 0.7 the tokens follow the target's distribution.  Greedy requests stay token-identical to vanilla's, alone and in a batch of
-    sampled requests (at T 0.7, where the chi-square also checks the sampled rows among them)."""
+    drawn tokens' probability falls below it); at temperature 1 and 0.7 the tokens follow the target's distribution.
+    Greedy requests stay token-identical to vanilla's, alone and in a batch of sampled requests (at T 0.7, where the
+    chi-square also checks the sampled rows among them)."""
     greedy = [list(range(300, 340)), [5, 9, 5, 9, 5, 9]]
     want = _greedy(engines.get("vanilla_ctx"), greedy, 16)[0]   # before the engine below (the cache may evict it)
     llm = engines.get(name)

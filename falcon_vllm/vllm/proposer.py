@@ -115,14 +115,13 @@ class FalconProposer(EagleProposer):
         self.last_confidence: torch.Tensor | None = None  # [B, K]: the drafter's probability of each chain token
         if not self.falcon:
             return
-        if self.draft_confidence and vllm_config.scheduler_config.async_scheduling:
-            raise ValueError("falcon-vllm: draft_confidence gives requests drafts of different lengths, which vLLM's "
-                             "async scheduler cannot take: run with --no-async-scheduling")
+        ragged = [name for name, on in (("prompt_lookup_max (prompt lookup first, Falcon otherwise)",
+                                          self.falcon.get("prompt_lookup")),
+                                         ("draft_confidence", self.draft_confidence)) if on]
+        if ragged and vllm_config.scheduler_config.async_scheduling:
+            raise ValueError(f"falcon-vllm: {' and '.join(ragged)} gives requests drafts of different lengths, which "
+                             "vLLM's async scheduler cannot take: run with --no-async-scheduling")
         if self.falcon.get("prompt_lookup"):
-            if vllm_config.scheduler_config.async_scheduling:
-                raise ValueError("falcon-vllm: prompt_lookup_max (prompt lookup first, Falcon otherwise) gives requests "
-                                 "drafts of different lengths, which vLLM's async scheduler cannot take: run with "
-                                 "--no-async-scheduling")
             lo, hi = self.falcon["prompt_lookup"]
             store = self.falcon.get("datastore")
             self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"], self.falcon.get("lookup_tokens"),
