@@ -19,7 +19,8 @@ tokens first, adaptive from L tokens when given, n-grams of N (default 2) to 4 t
 otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K] (vLLM's EAGLE, --eagle-drafter), ngram[:K],
 and falcon (the drafter's serving.json decides); a suffix
 ``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``) and suffixes
-``%key=value`` more speculative-config options (e.g. ``falcon%draft_gemm_dtype=model``).
+``%key=value`` more speculative-config options (e.g. ``falcon%draft_gemm_dtype=model``), and a last suffix
+``^attr=value`` sets an attribute of the Falcon proposer after start-up (e.g. ``falcon^prune_chunk=false``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_gemm_rows import cpu_name  # noqa: E402
 # its environment, its configuration names
 from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, spec_for  # noqa: E402
+
+
+def proposer_attrs(cfg: str) -> tuple[str, dict]:
+    """``<cfg>^attr=value``: set an attribute of the Falcon proposer after start-up (implementation switches
+    to A/B, e.g. ``falcon^prune_chunk=false``); values are JSON."""
+    cfg, *attrs = cfg.split("^")
+    out = {}
+    for a in attrs:
+        key, sep, value = a.partition("=")
+        if not sep:
+            raise SystemExit(f"falcon-vllm: {a!r} in configuration {cfg!r} is not attr=value")
+        out[key] = json.loads(value)
+    return cfg, out
 
 
 def run(args) -> list[dict]:
@@ -68,10 +82,19 @@ def run(args) -> list[dict]:
         raise SystemExit(f"falcon-vllm: --compile names no configuration: {sorted(compiled - set(labels))} "
                          f"(the labels are {labels})")
     for label, cfg in zip(labels, args.configs):
+        cfg, attrs = proposer_attrs(cfg)
         engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=label not in compiled,
                            max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
                            disable_log_stats=False,
                            speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
+        if attrs:
+            from falcon_vllm.vllm.proposer import falcon_proposer
+
+            prop = falcon_proposer(engines[label].llm_engine.model_executor.driver_worker.worker.model_runner)
+            for key, value in attrs.items():
+                if prop is None or not hasattr(prop, key):
+                    raise SystemExit(f"falcon-vllm: configuration {label!r}: no Falcon proposer attribute {key!r}")
+                setattr(prop, key, value)
     # model steps per generation, counted at the runner (vLLM's spec-decode metrics live in one registry per
     # process, which only the engine built last reports to), the prefill step included: until the batch's
     # slowest request finishes, so max_new_tokens / steps is the tokens per step only at batch 1

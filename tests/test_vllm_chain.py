@@ -468,25 +468,50 @@ def test_fused_chunk_pass_equals_two_passes(engines, ckpts, name):
     """On CPU the chunk pass and the relaxed block run as one drafter pass (per-request causal flags); with a
     2-layer drafter (whose block sees the chunk's layer-1 K/V, which depends on the chunk's causal mask) every
     step's drafts equal those of the two separate passes, padded and unpadded drafter batches alike (the drafter has
-    a level embedding: both give the chunk's rows their offsets from each request's end)."""
+    a level embedding: both give the chunk's rows their offsets from each request's end).  The fused pass runs only
+    the chunk rows before each request's block (``prune_chunk``): each step's pass has exactly
+    sum(max(0, valid rows - k)) + B*k rows (prefill steps with and without chunk groups, decode steps without), and
+    its drafts equal those of the fused pass over every chunk row."""
     ref = ckpts.get("vanilla")
     if ref is None:
         pytest.skip("needs test_vanilla_reference")
     llm = engines.get(name)
     prop = drafter_of(llm)
-    assert prop.fuse_chunk  # the CPU platform
-    drafts = {}
-    for fused in (True, False):
-        prop.fuse_chunk = fused
+    assert prop.fuse_chunk and prop.prune_chunk  # the CPU platform's defaults
+    k = prop.k
+    drafts, rows = {}, []
+    orig_fused, orig_inputs = prop._fused_pass, prop._relaxed_block_inputs
+
+    def relaxed_block_inputs(cad, last, B):  # vLLM's layout: each request's valid chunk rows end at ``last``
+        valid = last.cpu() - cad.query_start_loc_cpu[:B].long() + 1
+        rows.append([int((valid - k).clamp(min=0).sum()) + B * k, B])
+        return orig_inputs(cad, last, B)
+
+    def fused_pass(cad, num_tokens, *a):
+        orig_forward = prop._forward
+        prop._forward = lambda per_layer, n, slots: (rows[-1].append(n), orig_forward(per_layer, n, slots))[1]
+        try:
+            return orig_fused(cad, num_tokens, *a)
+        finally:
+            del prop._forward
+
+    for mode in ("pruned", "every chunk row", "two passes"):
+        prop.fuse_chunk, prop.prune_chunk = mode != "two passes", mode == "pruned"
         log = _record_drafts(prop)
+        if mode == "pruned":
+            prop._fused_pass, prop._relaxed_block_inputs = fused_pass, relaxed_block_inputs
         try:
             tokens, outs = _greedy(llm, PROMPTS + SHORT, n=24)
         finally:
             del prop.propose
-            prop.fuse_chunk = True
+            prop.__dict__.pop("_fused_pass", None), prop.__dict__.pop("_relaxed_block_inputs", None)
+            prop.fuse_chunk = prop.prune_chunk = True
         assert tokens == [ref[tuple(p)][:24] for p in PROMPTS + SHORT]
-        drafts[fused] = [[step[o.request_id] for step in log if o.request_id in step] for o in outs]
-    assert drafts[True] == drafts[False] and sum(map(len, drafts[True])) > 40
+        drafts[mode] = [[step[o.request_id] for step in log if o.request_id in step] for o in outs]
+    assert drafts["pruned"] == drafts["every chunk row"] == drafts["two passes"]
+    assert sum(map(len, drafts["pruned"])) > 40
+    assert rows and all(len(r) == 3 and r[0] == r[2] for r in rows), rows  # [expected rows, B, the pass's rows]
+    assert any(n > B * k for n, B, _ in rows) and any(n == B * k for n, B, _ in rows), rows  # prefills; decodes
 
 
 @pytest.mark.parametrize("name,drafter_dir", [("falcon_rnd_k3", "rnd_lstm_k3"), ("falcon_rnd_k3_rev", "rnd_fc_k3_rev")])

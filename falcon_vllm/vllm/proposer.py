@@ -143,6 +143,7 @@ class FalconProposer(EagleProposer):
         # chunk pass + relaxed block in one drafter pass: needs per-request causal flags, which vLLM's CPU
         # attention implements (its FlashAttention only from FA4): elsewhere the two passes run separately
         self.fuse_chunk = current_platform.is_cpu()
+        self.prune_chunk = True  # the fused pass runs only the chunk rows before each block (False: all, for A/Bs)
         self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
                                       ids_dtype=self.input_ids.dtype)
         if self.tree is not None:
@@ -349,44 +350,62 @@ class FalconProposer(EagleProposer):
         """The chunk pass and the relaxed block in one drafter pass; returns the blocks' outputs [B, k, H].
 
         Two query groups per request in one attention call, told apart by vLLM's per-request causal flags
-        (``CommonAttentionMetadata.causal`` as a tensor; the CPU attention backend implements them): the B
-        chunks exactly as the chunk pass lays them out (causal; they write the drafter KV of the verified
-        tokens), then the B relaxed blocks (non-causal, k rows each).  Within a layer every row's K/V is
-        written before any row attends, so a block sees its chunk's rows as the separate passes did.  Chunk
-        rows that fall inside their request's relaxed block (and rejected rows after it) write no K/V here:
-        the block writes those positions, and one slot is never written twice in one pass.  The drafter's
-        weights are read once per step instead of twice; the outputs equal the two passes'.
+        (``CommonAttentionMetadata.causal`` as a tensor; the CPU attention backend implements them): the chunk
+        rows before each request's relaxed block (causal; they write the drafter KV of those verified tokens),
+        then the B relaxed blocks (non-causal, k rows each), which write the KV of the block positions.  Only
+        the chunk rows before the block run: the chunk rows inside it (the block writes their positions, with
+        the same inputs) and the rejected rows after it (vLLM's padded drafter batch) would write nothing and
+        their outputs are unused, so at batch 1 with K=2 a step runs 2-3 drafter rows instead of 5.  A request
+        with no such row has no chunk group.  Within a layer every row's K/V is written before any row attends,
+        so a block sees its chunk's rows as separate passes would.  The drafter's weights are read once per step
+        instead of twice; the outputs equal the two passes'.
         """
         B, k = ids.shape
-        n = num_tokens + B * k
         dev = ids.device
         row = torch.arange(num_tokens, device=dev)
         req = self._row_requests(cad, row, B)
         before_block = row <= last[req] - k
-        chunk_slots = torch.where(before_block, cad.slot_mapping[:num_tokens].long(), PADDING_SLOT_ID)
+        if self.prune_chunk:
+            keep = torch.nonzero(before_block).squeeze(1)       # chunk rows before their request's block
+            chunk_slots = cad.slot_mapping[keep].long()
+            rows_per_req = torch.bincount(req[keep], minlength=B).cpu()
+        else:  # every chunk row (for A/B measurements): those from the block on write no K/V
+            keep = row
+            chunk_slots = torch.where(before_block, cad.slot_mapping[:num_tokens].long(), PADDING_SLOT_ID)
+            rows_per_req = cad.query_start_loc_cpu[1:B + 1].long() - cad.query_start_loc_cpu[:B].long()
+        nc, n = keep.numel(), keep.numel() + B * k
+        chunked = torch.nonzero(rows_per_req).squeeze(1)        # requests with a chunk group
+        if self.level_embedding:  # from the chunk rows' positions, before the buffers are compacted
+            offsets = self._chunk_offsets(cad, num_tokens, positions, req)[keep]
+        if nc and self.prune_chunk:
+            self.input_ids[:nc] = self.input_ids[keep]
+            self.positions[:nc] = self.positions[keep]
+            self.hidden_states[:nc] = self.hidden_states[keep]
         block_slots = torch.where(known.reshape(-1), self._slots(cad.block_table_tensor, positions), PADDING_SLOT_ID)
         slot_mapping = torch.cat([chunk_slots, block_slots])
-        qsl_cpu = torch.cat([cad.query_start_loc_cpu[:B + 1].to(torch.int32),
-                             num_tokens + k * torch.arange(1, B + 1, dtype=torch.int32)])
-        seq_lens = cad.seq_lens[:B]
-        seq_lens = torch.cat([seq_lens, (positions[:, -1] + 1).clamp(1, self.max_model_len).to(seq_lens.dtype)])
-        causal = torch.cat([torch.ones(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32)]).to(dev)
+        counts = torch.cat([rows_per_req[chunked], torch.full((B,), k, dtype=torch.long)])
+        qsl_cpu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=qsl_cpu[1:])
+        chunk_idx = chunked.to(dev)
+        block_lens = (positions[:, -1] + 1).clamp(1, self.max_model_len)
+        chunk_lens = positions[chunk_idx, 0] if self.prune_chunk else cad.seq_lens[chunk_idx]  # a chunk ends before its block
+        seq_lens = torch.cat([chunk_lens.to(cad.seq_lens.dtype), block_lens.to(cad.seq_lens.dtype)])
+        causal = torch.cat([torch.ones(len(chunked), dtype=torch.int32), torch.zeros(B, dtype=torch.int32)]).to(dev)
         flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
         upper = cad.seq_lens_cpu_upper_bound
         table = cad.block_table_tensor[:B]
         fused = cad.replace(
             query_start_loc=qsl_cpu.to(dev, non_blocking=True), query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
-            num_reqs=2 * B, num_actual_tokens=n, max_query_len=max(cad.max_query_len, k),
-            block_table_tensor=torch.cat([table, table]), slot_mapping=slot_mapping, causal=causal,
-            seq_lens_cpu_upper_bound=None if upper is None else torch.cat([upper[:B], upper[:B]]),
-            positions=None if cad.positions is None else torch.cat([cad.positions[:num_tokens], flat_pos]),
+            num_reqs=len(counts), num_actual_tokens=n, max_query_len=int(counts.max()),
+            block_table_tensor=torch.cat([table[chunk_idx], table]), slot_mapping=slot_mapping, causal=causal,
+            seq_lens_cpu_upper_bound=None if upper is None else torch.cat([upper[chunked], upper[:B]]),
+            positions=None if cad.positions is None else torch.cat([cad.positions[keep], flat_pos]),
             _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(fused)
-        if self.level_embedding:  # before _set_rows: the chunk's positions are read
-            self._set_offsets(torch.cat([self._chunk_offsets(cad, num_tokens, positions, req),
-                                         self._block_offsets(B, dev)]))
-        self._set_rows(num_tokens, ids, feats, flat_pos)
-        out = self._forward(per_layer, n, slot_mapping)[num_tokens:n].view(B, k, -1)
+        if self.level_embedding:
+            self._set_offsets(torch.cat([offsets, self._block_offsets(B, dev)]))
+        self._set_rows(nc, ids, feats, flat_pos)
+        out = self._forward(per_layer, n, slot_mapping)[nc:n].view(B, k, -1)
         return out.flip(1) if self.reversed_blocks else out
 
     def _block_offsets(self, nb: int, device) -> torch.Tensor | None:
