@@ -20,7 +20,9 @@ otherwise), tree[:<tree>] (Falcon, --drafter), plus eagle[:K] (vLLM's EAGLE, --e
 and falcon (the drafter's serving.json decides); a suffix
 ``@<dir>`` gives that configuration another drafter (e.g. ``chain:2@runs/falcon-2layers``) and suffixes
 ``%key=value`` more speculative-config options (e.g. ``falcon%draft_gemm_dtype=model``), and a last suffix
-``^attr=value`` sets an attribute of the Falcon proposer after start-up (e.g. ``falcon^prune_chunk=false``).
+``^attr=value`` sets an attribute of the Falcon proposer (e.g. ``falcon^prune_chunk=false``): configurations that
+differ only in it share one engine, switched before each of their generations, so their ratio (one of them the
+baseline) sees only what the switch changes.
 """
 
 from __future__ import annotations
@@ -81,37 +83,66 @@ def run(args) -> list[dict]:
     if compiled - set(labels):
         raise SystemExit(f"falcon-vllm: --compile names no configuration: {sorted(compiled - set(labels))} "
                          f"(the labels are {labels})")
+    # configurations that differ only in ^attr=value share one engine (one compiled model, the same memory): the
+    # attributes are set before each of their generations, so the pair's ratio sees only what the attributes change
+    shared = {}  # (configuration without ^attrs, compiled) -> engine
+    switches = {}  # label -> (proposer, {attr: value}) for engines whose labels set attributes
     for label, cfg in zip(labels, args.configs):
-        cfg, attrs = proposer_attrs(cfg)
-        engines[label] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=label not in compiled,
-                           max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
-                           disable_log_stats=False,
-                           speculative_config=spec_for(cfg, args.drafter, args.num_spec_tokens, args.eagle_drafter))
-        if attrs:
-            from falcon_vllm.vllm.proposer import falcon_proposer
+        base_cfg, attrs = proposer_attrs(cfg)
+        key = (base_cfg, label in compiled, label if args.configs.count(cfg) > 1 else "")  # vanilla,vanilla: two
+        if key not in shared:
+            shared[key] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=label not in compiled,
+                              max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
+                              disable_log_stats=False, speculative_config=spec_for(base_cfg, args.drafter,
+                                                                                   args.num_spec_tokens,
+                                                                                   args.eagle_drafter))
+        engines[label] = shared[key]
+        from falcon_vllm.vllm.proposer import falcon_proposer
 
-            prop = falcon_proposer(engines[label].llm_engine.model_executor.driver_worker.worker.model_runner)
-            for key, value in attrs.items():
-                if prop is None or not hasattr(prop, key):
-                    raise SystemExit(f"falcon-vllm: configuration {label!r}: no Falcon proposer attribute {key!r}")
-                setattr(prop, key, value)
+        prop = falcon_proposer(engines[label].llm_engine.model_executor.driver_worker.worker.model_runner)
+        for attr in attrs:
+            if prop is None or not hasattr(prop, attr):
+                raise SystemExit(f"falcon-vllm: configuration {label!r}: no Falcon proposer attribute {attr!r}")
+        switches[label] = (prop, attrs)
+    defaults = {}  # proposer -> the start-up values of every attribute some label sets
+    for prop, attrs in switches.values():
+        for attr in attrs:
+            defaults.setdefault(id(prop), {}).setdefault(attr, getattr(prop, attr))
+
+    def switch(label):
+        prop, attrs = switches[label]
+        for attr, value in defaults.get(id(prop), {}).items():
+            setattr(prop, attr, attrs.get(attr, value))
     # model steps per generation, counted at the runner (vLLM's spec-decode metrics live in one registry per
     # process, which only the engine built last reports to), the prefill step included: until the batch's
     # slowest request finishes, so max_new_tokens / steps is the tokens per step only at batch 1
+    # and the seconds in the runner's propose_draft_token_ids (vLLM's drafter input preparation and the drafter)
     step_count = {}
+    counters = {}  # engine -> [steps, drafting seconds] (labels sharing an engine count their own generations')
     for cfg, llm in engines.items():
-        count = step_count[cfg] = [0]
+        if id(llm) in counters:
+            step_count[cfg] = counters[id(llm)]
+            continue
+        count = step_count[cfg] = counters[id(llm)] = [0, 0.0]
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        orig = runner.execute_model
+        orig, orig_draft = runner.execute_model, runner.propose_draft_token_ids
 
         def execute_model(scheduler_output, *a, _orig=orig, _count=count, **kw):
             _count[0] += scheduler_output.total_num_scheduled_tokens > 0
             return _orig(scheduler_output, *a, **kw)
 
-        runner.execute_model = execute_model
+        def propose_draft_token_ids(*a, _orig=orig_draft, _count=count, **kw):
+            t = time.perf_counter()
+            try:
+                return _orig(*a, **kw)
+            finally:
+                _count[1] += time.perf_counter() - t
+
+        runner.execute_model, runner.propose_draft_token_ids = execute_model, propose_draft_token_ids
     base = labels[0]
     turns = [[chat(h) for h in history]]  # turns[t]: each conversation's prompt at turn t + 1
     for t in range(1, last):  # later turns: the conversation so far, with the baseline's greedy answers
+        switch(base)
         answers = engines[base].generate(turns[-1], SamplingParams(max_tokens=args.max_new_tokens, temperature=0),
                                          use_tqdm=False)
         for h, a, q in zip(history, answers, questions):
@@ -124,20 +155,24 @@ def run(args) -> list[dict]:
     for B in args.batch_sizes:
         N = max(args.prompts or B, B)
         batches = [[[p[(i * B + j) % N] for j in range(B)] for p in timed] for i in range(args.pairs)]  # pair i's
-        for llm in engines.values():  # warm-up
+        for c, llm in engines.items():  # warm-up
+            switch(c)
             llm.generate(batches[0][0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
         secs = {c: [] for c in labels}
         outs = {c: [] for c in labels}
         steps = {c: 0 for c in labels}
+        drafting = {c: 0.0 for c in labels}
         for i, batch in enumerate(batches):
             n = len(labels)
             order = [labels[(i + j) % n] for j in range(n)]  # rotate: no configuration always first
             for c in order:
-                before = step_count[c][0]
+                switch(c)
+                before, draft_before = step_count[c]
                 t0 = time.perf_counter()
                 o = [x for turn in batch for x in engines[c].generate(turn, sp, use_tqdm=False)]
                 secs[c].append(time.perf_counter() - t0)
                 steps[c] += step_count[c][0] - before
+                drafting[c] += step_count[c][1] - draft_before
                 outs[c].append([list(x.outputs[0].token_ids) for x in o])
         for c in labels:
             ratios = [b / s for s, b in zip(secs[c], secs[base])]  # speedup of c over the baseline, per pair
@@ -151,6 +186,8 @@ def run(args) -> list[dict]:
                 "speedup_total": sum(secs[base]) / sum(secs[c]),  # the whole workload's time ratio
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "steps_per_generation": steps[c] / args.pairs,
+                "ms_per_step": 1e3 * sum(secs[c]) / steps[c],
+                "drafting_ms_per_step": 1e3 * drafting[c] / steps[c],
                 "identical_to_base": outs[c] == outs[base] if args.temperature == 0 else None,  # sampled: differ
             })
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
@@ -186,15 +223,17 @@ def write(args, rows) -> None:
              f"{_compile_words(args.compile)}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
              f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
-             f"steps per generation, prefill included, until the batch's slowest request is done.", "",
+             f"steps per generation, prefill included, until the batch's slowest request is done; ms/step: the "
+             f"generations' seconds per step; drafting: the runner's propose_draft_token_ids (vLLM's drafter input "
+             f"preparation and the drafter) per step.", "",
              "| config | B | tok/s | speedup vs baseline | min-max | total | tokens/generation | steps/generation | "
-             "identical to baseline |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "ms/step | drafting ms/step | identical to baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_base']:.3f}x | "
                      f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['speedup_total']:.3f}x | "
                      f"{r['tokens_per_generation']:.1f} | "
-                     f"{r['steps_per_generation']:.1f} | "
+                     f"{r['steps_per_generation']:.1f} | {r['ms_per_step']:.1f} | {r['drafting_ms_per_step']:.2f} | "
                      f"{'- (sampled)' if r['identical_to_base'] is None else r['identical_to_base']} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -17,8 +17,9 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
   -1), so the genuine KV at their positions stays; only their own draft tokens are worse.
 * On CPU the chunk pass and pass 1 run as one drafter pass (:meth:`FalconProposer._fused_pass`: vLLM's
   per-request causal flags tell the causal chunks from the non-causal blocks), so a step reads the
-  drafter's weights once; elsewhere (FlashAttention takes per-request causal flags only from FA4) they
-  run as two passes.  Both give the same drafts.
+  drafter's weights once, and it runs only the chunk rows before each relaxed block (the others would
+  write no K/V and their outputs are unused); elsewhere (FlashAttention takes per-request causal flags
+  only from FA4) they run as two passes.  All give the same drafts.
 * prompt lookup (``prompt_lookup_max``, :mod:`falcon_vllm.vllm.lookup`): a request whose tokens end in a
   repeated n-gram gets vLLM's n-gram draft instead (or, with a ``datastore``, one retrieved from the target's
   stored answers); the drafter's chain covers the others, and when every request of a step has a lookup
