@@ -85,8 +85,10 @@ def run(args) -> list[dict]:
                          f"(the labels are {labels})")
     # configurations that differ only in ^attr=value share one engine (one compiled model, the same memory): the
     # attributes are set before each of their generations, so the pair's ratio sees only what the attributes change
-    shared = {}  # (configuration without ^attrs, compiled) -> engine
-    switches = {}  # label -> (proposer, {attr: value}) for engines whose labels set attributes
+    from falcon_vllm.vllm.proposer import falcon_proposer
+
+    shared = {}  # (configuration without ^attrs, compiled, the label of a repeated configuration) -> engine
+    switches = {}  # label -> (its engine's Falcon proposer or None, {attr: value})
     for label, cfg in zip(labels, args.configs):
         base_cfg, attrs = proposer_attrs(cfg)
         key = (base_cfg, label in compiled, label if args.configs.count(cfg) > 1 else "")  # vanilla,vanilla: two
@@ -97,8 +99,6 @@ def run(args) -> list[dict]:
                                                                                    args.num_spec_tokens,
                                                                                    args.eagle_drafter))
         engines[label] = shared[key]
-        from falcon_vllm.vllm.proposer import falcon_proposer
-
         prop = falcon_proposer(engines[label].llm_engine.model_executor.driver_worker.worker.model_runner)
         for attr in attrs:
             if prop is None or not hasattr(prop, attr):
