@@ -44,20 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cpu_gemm_rows import cpu_name  # noqa: E402
 # its environment, its configuration names
-from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, spec_for  # noqa: E402
+from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, key_values, spec_for  # noqa: E402
 
 
 def proposer_attrs(cfg: str) -> tuple[str, dict]:
     """``<cfg>^attr=value``: set an attribute of the Falcon proposer after start-up (implementation switches
-    to A/B, e.g. ``falcon^prune_chunk=false``); values are JSON."""
+    to A/B, e.g. ``falcon^prune_chunk=false``); values as in ``%key=value`` (profile_step.key_values)."""
     cfg, *attrs = cfg.split("^")
-    out = {}
-    for a in attrs:
-        key, sep, value = a.partition("=")
-        if not sep:
-            raise SystemExit(f"falcon-vllm: {a!r} in configuration {cfg!r} is not attr=value")
-        out[key] = json.loads(value)
-    return cfg, out
+    return cfg, key_values(attrs, cfg)
 
 
 def run(args) -> list[dict]:

@@ -114,19 +114,25 @@ def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | Non
     raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, falcon, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K], ngram[:K])")
 
 
+def key_values(items: list[str], cfg: str) -> dict:
+    """A configuration's ``key=value`` suffixes -> {key: value} (JSON values; anything else stays a string)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"falcon-vllm: option {item!r} in configuration {cfg!r} is not key=value")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE):
     """A configuration name -> its speculative config (None: vanilla).  ``<cfg>%key=value``: more speculative-config
     keys (JSON values); ``<cfg>@<dir>``: another drafter than ``drafter`` / ``eagle_drafter``."""
     cfg, *opts = cfg.split("%")  # falcon%draft_gemm_dtype=model: more speculative-config options
-    extra = {}
-    for opt in opts:
-        key, sep, value = opt.partition("=")
-        if not sep:
-            raise SystemExit(f"falcon-vllm: option {opt!r} in configuration {cfg!r} is not key=value")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
+    extra = key_values(opts, cfg)
     cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
     if other:
         drafter = eagle_drafter = other

@@ -504,7 +504,8 @@ def test_fused_chunk_pass_equals_two_passes(engines, ckpts, name):
             tokens, outs = _greedy(llm, PROMPTS + SHORT, n=24)
         finally:
             del prop.propose
-            prop.__dict__.pop("_fused_pass", None), prop.__dict__.pop("_relaxed_block_inputs", None)
+            for wrapped in ("_fused_pass", "_relaxed_block_inputs"):
+                prop.__dict__.pop(wrapped, None)
             prop.fuse_chunk = prop.prune_chunk = True
         assert tokens == [ref[tuple(p)][:24] for p in PROMPTS + SHORT]
         drafts[mode] = [[step[o.request_id] for step in log if o.request_id in step] for o in outs]
