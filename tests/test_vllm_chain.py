@@ -60,6 +60,7 @@ def ckpts(tmp_path_factory):
         str(base / "rnd_fc_k3_rev"))
     random_drafter(rnd, k=2, fusion="fc", num_layers=2, seed=3, level_embedding=True).save_pretrained(
         str(base / "rnd_fc2_k2"))
+    random_drafter(inc, k=2, fusion="fc", seed=4, level_embedding=True).save_pretrained(str(base / "rnd_inc_k2"))
     return {"dir": base, "inc": inc, "rnd": rnd, "ctx": ctx, "half": half}
 
 
@@ -81,8 +82,8 @@ def _engine_specs(base) -> dict:
         "exact_k2": ("inc", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
         "exact_k3": ("inc", {"model": "exact_k3_official", "num_speculative_tokens": 4, "falcon_k": 3}, {}),
         "ctx": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 5}, {}),
-        # prompt lookup first (n-grams 2-3, up to 4 tokens), the drafter's chain of 3 otherwise
-        "falcon_rnd_lookup": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
+        # prompt lookup first (n-grams 2-3, up to 4 tokens), the drafter's chain of 3 otherwise (level embedding)
+        "falcon_rnd_lookup": ("rnd", {"model": "rnd_fc_k3_rev", "num_speculative_tokens": 4, "falcon_tokens": 3,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
         # ... and the target's stored answers where the request's own tokens repeat nothing (written by the test)
         "falcon_rnd_lookup_ds": ("rnd", {"model": "rnd_lstm_k3", "num_speculative_tokens": 4, "falcon_tokens": 3,
@@ -95,6 +96,9 @@ def _engine_specs(base) -> dict:
         # adaptive lookup lengths 2 -> 4 -> 8 on the increment target, whose continuations a prompt can spell out
         "inc_lookup_adaptive": ("inc", {"model": "exact_k2", "num_speculative_tokens": 8, "falcon_tokens": 2,
                                         "lookup_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
+        # ... with a random drafter, whose drafts depend on every K/V it attends to
+        "inc_lookup_rnd": ("inc", {"model": "rnd_inc_k2", "num_speculative_tokens": 8, "falcon_tokens": 2,
+                                   "lookup_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
         "ctx_lookup": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}, {}),
         # drafts sampled from the drafter, their distributions verified by vLLM's rejection sampler
@@ -349,6 +353,65 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     assert n_lookup > 0 and n_falcon > 0, (n_lookup, n_falcon)
     assert lengths == {2} if adaptive else {4}, lengths  # the random target never accepts a lookup draft whole
     assert any(skipped for _, skipped in log)  # batch-1 steps served by lookup alone ran no drafting pass
+
+
+@pytest.mark.parametrize("name", ["falcon_rnd_lookup", "falcon_rnd_lookup_unpadded", "inc_lookup_rnd"])
+def test_lookup_steps_defer_the_drafter_pass(engines, ckpts, name):
+    """A step whose drafts all come from prompt lookup runs no drafter pass (``defer_chunk``): its verified rows wait
+    and the next drafter pass runs them first, with the level offsets they had.  With a 1-layer drafter (the K/V at a
+    position depends only on that row's inputs and offset) every step's drafts equal those of a drafter pass at every
+    step, at batch 1 and above, padded and unpadded drafter batches; outputs equal vanilla's; the deferred steps are
+    exactly the drafter forwards saved, and passes ran deferred rows.  On the increment target, prompts that spell out
+    their continuation get lookup drafts accepted whole step after step: rows deferred by several steps in a row
+    accumulate, and a step that would take them past ``defer_rows`` runs the pass instead."""
+    llm = engines.get(name)
+    prop = drafter_of(llm)
+    stash = prop._stash
+    assert prop.defer_chunk and prop.fuse_chunk and prop.defer_rows == 32  # the CPU platform's defaults
+    if name.startswith("inc"):
+        src = list(range(100, 150)) + [500] + list(range(151, 170))
+        batches, n = [[src + [100, 101]], [src + [100, 101], src + [110, 111]]], 40
+        expect = {tuple(p): list(range(p[-1] + 1, p[-1] + 1 + n)) for b in batches for p in b}
+    else:
+        expect, n = ckpts.get("vanilla"), 24
+        if expect is None:
+            pytest.skip("needs test_vanilla_reference")
+        batches = [[p] for p in PROMPTS[:3] + SHORT] + [PROMPTS + SHORT]
+    drafts, forwards, deferred, taken, merged, refused = {}, {}, {}, [], [], []
+    orig_take, orig_defer, orig_forward = stash.take, stash.defer, prop._forward
+
+    def take(*a):
+        out = orig_take(*a)
+        taken.append(0 if out is None else len(out[0]))
+        return out
+
+    def defer(slots, rows, cap):
+        before = {s for s in slots if s in stash.pending}
+        ok = orig_defer(slots, rows, cap)
+        refused.append(not ok)
+        merged.extend(ok and s in before and len(stash.pending[s][0]) > len(r[0]) for s, r in zip(slots, rows))
+        return ok
+
+    for on in (True, False):
+        prop.defer_chunk = on
+        log, calls, d0 = _record_drafts(prop), [], prop.deferred_steps
+        prop._forward = lambda *a: (calls.append(1), orig_forward(*a))[1]
+        stash.take, stash.defer = take, defer
+        try:
+            runs = [_greedy(llm, b, n=n) for b in batches]
+        finally:
+            del prop.propose, prop._forward, stash.take, stash.defer
+            prop.defer_chunk = True
+        for b, (toks, _) in zip(batches, runs):
+            assert toks == [expect[tuple(p)][:n] for p in b]
+        drafts[on] = [[[step[o.request_id] for step in log if o.request_id in step] for o in outs] for _, outs in runs]
+        forwards[on], deferred[on] = len(calls), prop.deferred_steps - d0
+    assert drafts[True] == drafts[False]
+    assert deferred[False] == 0 and deferred[True] > 0, deferred
+    assert forwards[True] == forwards[False] - deferred[True], (forwards, deferred)
+    assert any(taken), taken
+    if name.startswith("inc"):
+        assert any(merged) and any(refused), (merged, refused)
 
 
 def test_datastore_drafts_where_lookup_finds_nothing(engines, ckpts):

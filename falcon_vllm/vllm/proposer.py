@@ -23,7 +23,7 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
 * prompt lookup (``prompt_lookup_max``, :mod:`falcon_vllm.vllm.lookup`): a request whose tokens end in a
   repeated n-gram gets vLLM's n-gram draft instead (or, with a ``datastore``, one retrieved from the target's
   stored answers); the drafter's chain covers the others, and when every request of a step has a lookup
-  draft only the chunk's K/V is written.
+  draft no drafter pass runs: its verified rows wait (``defer_chunk``) and the next pass runs them first.
 * ``draft_confidence``: each chain draft stops before its first token where the product of the drafter's
   probabilities of its tokens (a sampled draft's: of the drawn tokens) falls below the threshold
   (:meth:`FalconProposer.cut`, applied by the runner hook), and a further pass runs only while some request's draft
@@ -145,6 +145,11 @@ class FalconProposer(EagleProposer):
         # attention implements (its FlashAttention only from FA4): elsewhere the two passes run separately
         self.fuse_chunk = current_platform.is_cpu()
         self.prune_chunk = True  # the fused pass runs only the chunk rows before each block (False: all, for A/Bs)
+        # a step whose drafts all come from prompt lookup runs no drafter pass: its verified rows wait (at most
+        # defer_rows per request) for the next pass, which runs them first (False: every step runs one, for A/Bs)
+        self.defer_chunk = True
+        self.defer_rows = 32
+        self.deferred_steps = 0  # steps whose drafter pass was deferred
         self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
                                       ids_dtype=self.input_ids.dtype)
         if self.tree is not None:
@@ -197,7 +202,12 @@ class FalconProposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
         drafting = self.lookup is None or not self.lookup.all_matched  # else every request has a lookup draft
-        if self.fuse_chunk and num_tokens + B * k <= self.input_ids.shape[0]:
+        pending = self.defer_rows if self._stash.pending else 0  # rows a deferred step left (at most per request)
+        fused = self.fuse_chunk and num_tokens + B * (k + pending) <= self.input_ids.shape[0]
+        if fused and not drafting and self.defer_chunk and self._defer(cad, last.long(), B):
+            self.deferred_steps += 1  # prompt lookup serves every request: the next drafter pass writes these rows
+            return torch.empty(B, 0, dtype=torch.int64, device=self.device)
+        if fused:
             # chunk pass and pass 1 (the relaxed block -> draft tokens 1..k) in one drafter pass
             rows = self._fused_pass(cad, num_tokens, last.long(), ids, feats, positions, known)
             self.passes += drafting
@@ -309,8 +319,8 @@ class FalconProposer(EagleProposer):
         ids = self.input_ids[safe]                                            # gathers copy
         feats = self.hidden_states[safe]
         positions = self.positions[last].long()[:, None] - offs[None]
+        slots = self._step_slots = self._stash.slots(self._req_ids(B), last.device)
         if k > 1:
-            slots = self._stash.slots(self._req_ids(B), last.device)
             known = self._stash.fill(slots, ids, feats, positions, known)
             self._stash.update(slots, ids, feats, positions, known)
         return ids, feats, positions, known
@@ -366,22 +376,38 @@ class FalconProposer(EagleProposer):
         row = torch.arange(num_tokens, device=dev)
         req = self._row_requests(cad, row, B)
         before_block = row <= last[req] - k
+        table = cad.block_table_tensor[:B]
         if self.prune_chunk:
             keep = torch.nonzero(before_block).squeeze(1)       # chunk rows before their request's block
             chunk_slots = cad.slot_mapping[keep].long()
-            rows_per_req = torch.bincount(req[keep], minlength=B).cpu()
         else:  # every chunk row (for A/B measurements): those from the block on write no K/V
             keep = row
             chunk_slots = torch.where(before_block, cad.slot_mapping[:num_tokens].long(), PADDING_SLOT_ID)
-            rows_per_req = cad.query_start_loc_cpu[1:B + 1].long() - cad.query_start_loc_cpu[:B].long()
-        nc, n = keep.numel(), keep.numel() + B * k
+        chunk_req, chunk_ids, chunk_pos = req[keep], self.input_ids[keep], self.positions[keep]
+        chunk_feats = self.hidden_states[keep]
+        if self.level_embedding:  # chunk rows: blocks aligned to each request's end, as the reference lays them out
+            offsets = (chunk_pos.long() - positions[chunk_req, -1] - 1) % k
+        pend = None
+        if self._stash.pending:  # rows deferred by steps served by prompt lookup alone run first
+            starts = self.positions[cad.query_start_loc[:B].long()].tolist()
+            pend = self._stash.take(self._step_slots.tolist(), starts, positions[:, 0].tolist())
+        if pend is not None:
+            p_req, p_ids, p_feats, p_offs, p_pos = (t.to(dev) for t in pend)
+            order = torch.argsort(torch.cat([p_req, chunk_req]), stable=True)  # each request's rows in position order
+            chunk_req = torch.cat([p_req, chunk_req])[order]
+            chunk_ids = torch.cat([p_ids.to(chunk_ids.dtype), chunk_ids])[order]
+            chunk_pos = torch.cat([p_pos.to(chunk_pos.dtype), chunk_pos])[order]
+            chunk_feats = torch.cat([p_feats.to(chunk_feats.dtype), chunk_feats])[order]
+            chunk_slots = torch.cat([self._slots(table[p_req], p_pos[:, None]), chunk_slots])[order]
+            if self.level_embedding:
+                offsets = torch.cat([p_offs, offsets])[order]
+        rows_per_req = torch.bincount(chunk_req, minlength=B).cpu()
+        nc, n = chunk_req.numel(), chunk_req.numel() + B * k
         chunked = torch.nonzero(rows_per_req).squeeze(1)        # requests with a chunk group
-        if self.level_embedding:  # from the chunk rows' positions, before the buffers are compacted
-            offsets = self._chunk_offsets(cad, num_tokens, positions, req)[keep]
-        if nc and self.prune_chunk:
-            self.input_ids[:nc] = self.input_ids[keep]
-            self.positions[:nc] = self.positions[keep]
-            self.hidden_states[:nc] = self.hidden_states[keep]
+        if nc and (self.prune_chunk or pend is not None):
+            self.input_ids[:nc] = chunk_ids
+            self.positions[:nc] = chunk_pos
+            self.hidden_states[:nc] = chunk_feats
         block_slots = torch.where(known.reshape(-1), self._slots(cad.block_table_tensor, positions), PADDING_SLOT_ID)
         slot_mapping = torch.cat([chunk_slots, block_slots])
         counts = torch.cat([rows_per_req[chunked], torch.full((B,), k, dtype=torch.long)])
@@ -394,13 +420,12 @@ class FalconProposer(EagleProposer):
         causal = torch.cat([torch.ones(len(chunked), dtype=torch.int32), torch.zeros(B, dtype=torch.int32)]).to(dev)
         flat_pos = positions.clamp(0, self.max_model_len - 1).reshape(-1)
         upper = cad.seq_lens_cpu_upper_bound
-        table = cad.block_table_tensor[:B]
         fused = cad.replace(
             query_start_loc=qsl_cpu.to(dev, non_blocking=True), query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
             num_reqs=len(counts), num_actual_tokens=n, max_query_len=int(counts.max()),
             block_table_tensor=torch.cat([table[chunk_idx], table]), slot_mapping=slot_mapping, causal=causal,
             seq_lens_cpu_upper_bound=None if upper is None else torch.cat([upper[chunked], upper[:B]]),
-            positions=None if cad.positions is None else torch.cat([cad.positions[keep], flat_pos]),
+            positions=None if cad.positions is None else torch.cat([chunk_pos.to(flat_pos.dtype), flat_pos]),
             _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
         _, per_layer = self.build_per_group_and_layer_attn_metadata(fused)
         if self.level_embedding:
@@ -409,17 +434,25 @@ class FalconProposer(EagleProposer):
         out = self._forward(per_layer, n, slot_mapping)[nc:n].view(B, k, -1)
         return out.flip(1) if self.reversed_blocks else out
 
+    def _defer(self, cad, last: torch.Tensor, B: int) -> bool:
+        """Keep each request's verified rows (the drafter's inputs of this step's chunk) as pending rows for the next
+        drafter pass instead of running one now; False (nothing kept) when one would exceed ``defer_rows``."""
+        start, end = cad.query_start_loc_cpu[:B].tolist(), last.tolist()
+        # a row's level offset: from its request's end now, as this step's pass would give it (_chunk_offsets)
+        rows = [(self.input_ids[a:e + 1].clone(), self.hidden_states[a:e + 1].clone(),
+                 (torch.arange(a, e + 1) - e - 1) % self.k, int(self.positions[a])) for a, e in zip(start, end)]
+        return self._stash.defer(self._step_slots.tolist(), rows, self.defer_rows)
+
     def _block_offsets(self, nb: int, device) -> torch.Tensor | None:
         """Row offsets of ``nb`` k-row blocks laid out one after another (None: no level embedding)."""
         return torch.arange(self.k, device=device).repeat(nb) if self.level_embedding else None
 
-    def _chunk_offsets(self, cad, num_tokens: int, positions: torch.Tensor, req: torch.Tensor | None = None):
+    def _chunk_offsets(self, cad, num_tokens: int, positions: torch.Tensor):
         """Offsets of the step's chunk rows: blocks aligned to each request's end (its last committed position
         ``positions[:, -1]``), as the reference engine's chunk pass lays them out (None: no level embedding)."""
         if not self.level_embedding:
             return None
-        if req is None:
-            req = self._row_requests(cad, torch.arange(num_tokens, device=positions.device), positions.shape[0])
+        req = self._row_requests(cad, torch.arange(num_tokens, device=positions.device), positions.shape[0])
         return (self.positions[:num_tokens].long() - positions[req, -1] - 1) % self.k
 
     @staticmethod

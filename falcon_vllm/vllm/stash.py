@@ -11,6 +11,9 @@ prefix-cache hit) is simply not used; committed positions never change their inp
 valid whenever its position precedes the current chunk.  Storage is one preallocated tensor per
 field, indexed by a slot per request (LRU-evicted), so lookups and updates are gathers/scatters
 without host synchronisation.
+
+It also holds each request's *pending* chunk rows: verified rows whose drafter K/V a step served by prompt
+lookup alone did not write (``FalconProposer.defer_chunk``); the next drafter pass runs them first.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class BlockInputStash:
         self.num_valid = torch.zeros(num_slots + 1, dtype=torch.long, device=device)      # valid rows, from the end
         self._slot_of: OrderedDict[str, int] = OrderedDict()
         self._free = list(range(num_slots))
+        # slot -> (ids [n], feats [n, H], level offsets [n], first position): rows at consecutive positions, oldest
+        # first; a row's level offset is taken from its request's end when it was verified, as a pass then would
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
     def slots(self, req_ids: list[str | None], device) -> torch.Tensor:
         """Slot index per batch row [B] (new requests get a fresh, empty slot)."""
@@ -52,6 +58,8 @@ class BlockInputStash:
             else:
                 self._slot_of.move_to_end(r)
             out.append(s)
+        for s in fresh:
+            self.pending.pop(s, None)
         if fresh:
             self.num_valid[torch.tensor(fresh, device=self.num_valid.device)] = 0
         return torch.tensor(out, dtype=torch.long, device=device)
@@ -79,3 +87,39 @@ class BlockInputStash:
         self.feats[slots] = feats[:, 1:].to(self.feats.dtype)
         self.end_pos[slots] = positions[:, -1].long()
         self.num_valid[slots] = known[:, 1:].long().sum(1)
+
+    def defer(self, slots: list[int], rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+              cap: int) -> bool:
+        """Append each request's verified rows (ids [n], feats [n, H], offsets [n], first position) to its pending rows, unless
+        one would then hold more than ``cap`` (returns False, nothing changed).  Rows that do not follow a request's
+        pending rows replace them (what lay between was written some other way)."""
+        merged = []
+        for s, (ids, feats, offs, first) in zip(slots, rows):
+            old = self.pending.get(s)
+            if old is not None and old[3] + len(old[0]) == first:
+                ids, feats, offs, first = (torch.cat([old[0], ids]), torch.cat([old[1], feats]),
+                                           torch.cat([old[2], offs]), old[3])
+            if len(ids) > cap:
+                return False
+            merged.append((s, (ids, feats, offs, first)))
+        self.pending.update(merged)
+        return True
+
+    def take(self, slots: list[int], chunk_start: list[int], block_start: list[int]):
+        """Each batch row's pending rows that end where its chunk starts, cut before its relaxed block
+        (``block_start``); the rest are dropped.  Returns (batch row [P], ids [P], feats [P, H], offsets [P],
+        positions [P]) of the rows to run, or None; every slot's pending rows are cleared."""
+        out = []
+        for b, (s, c, e) in enumerate(zip(slots, chunk_start, block_start)):
+            rows = self.pending.pop(s, None)
+            if rows is None or rows[3] + len(rows[0]) != c:
+                continue
+            ids, feats, offs, first = rows
+            n = max(0, min(len(ids), e - first))
+            if n:
+                out.append((b, ids[:n], feats[:n], offs[:n], first))
+        if not out:
+            return None
+        req = torch.cat([torch.full((len(r[1]),), r[0], dtype=torch.long) for r in out])
+        pos = torch.cat([torch.arange(r[4], r[4] + len(r[1])) for r in out])
+        return (req, *(torch.cat([r[i] for r in out]) for i in (1, 2, 3)), pos)
