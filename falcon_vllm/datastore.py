@@ -8,7 +8,7 @@ for the last ``max_n`` .. ``min_n`` tokens of a request, proposes the continuati
 agree on: at each position, the token that most of the matching places continue with, among the
 places still consistent with the draft so far (nothing where fewer than half agree on the first).
 Drafting is retrieval (a sorted array of n-gram hashes): a step whose requests all have such drafts
-runs no drafting pass (the drafter still writes its KV cache for the verified tokens).
+runs no drafting pass (the drafter's KV cache for the verified tokens is written by its next pass).
 
 Verification is unchanged, so outputs are exactly vanilla vLLM's whatever is drafted.
 
