@@ -22,8 +22,9 @@ on GPU the proposer refuses to start with async scheduling).
 With a datastore (``datastore``: :mod:`falcon_vllm.datastore`), a request whose own tokens repeat nothing is
 looked up in the target's stored answers next; the drafter's chain covers what neither finds.
 
-The drafter's own KV cache must still cover every verified token, so the drafter's chunk pass runs
-every step; only the drafting passes are skipped when every request of the step has a lookup draft.
+The drafter's own KV cache must still cover every verified token.  When every request of a step has a lookup
+draft, on CPU no drafter pass runs: the step's verified rows wait and the next drafter pass runs them first
+(``FalconProposer.defer_chunk``); elsewhere the chunk pass runs and only the drafting passes are skipped.
 """
 
 from __future__ import annotations
