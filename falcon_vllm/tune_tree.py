@@ -198,6 +198,7 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
 # ---------------------------------------------------------------------- the file
 # serving.json's prompt-lookup keys (falcon_vllm.vllm.options validates them)
 LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens", "lookup_tokens")
+STORE_KEYS = ("datastore", "datastore_tokens", "datastore_max_batch")
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def read_tree_file(path: str) -> TreeFile:
                     by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()),
                     num_speculative_tokens=n if isinstance(n, int) else None,
                     chain_schedule=data.get("num_speculative_tokens_per_batch_size"),
-                    lookup={key: data[key] for key in LOOKUP_KEYS + ("datastore", "datastore_tokens") if key in data},
+                    lookup={key: data[key] for key in LOOKUP_KEYS + STORE_KEYS if key in data},
                     draft_sample_method=data.get("draft_sample_method"),
                     draft_temperature_scale=data.get("draft_temperature_scale"))
 

@@ -467,6 +467,22 @@ def test_datastore_drafts_where_lookup_finds_nothing(engines, ckpts):
             m += a + 1
     assert counts["store"] > 0 and counts["chain"] > 0, counts
     assert store_accepted > 10, (store_accepted, counts)  # the stored answers are the target's own
+    # datastore_max_batch 1 (as the shipped serving.json): the store is looked up only in steps of one request
+    from falcon_vllm.vllm import lookup
+
+    steps, orig_drafts = [], lookup.lookup_drafts
+
+    def lookup_drafts(token_ids, num_tokens, sampled, use, *a):
+        steps.append((len(use), a[4] is not None))  # (requests in the step, store passed)
+        return orig_drafts(token_ids, num_tokens, sampled, use, *a)
+
+    lookup.lookup_drafts, lk.store_max_batch = lookup_drafts, 1
+    try:
+        batched = _greedy(llm, PROMPTS + SHORT)[0]
+    finally:
+        lookup.lookup_drafts, lk.store_max_batch = orig_drafts, None
+    assert batched == [ref[tuple(p)] for p in PROMPTS + SHORT]
+    assert any(b > 1 for b, _ in steps) and all(used == (b == 1) for b, used in steps), steps
 
 
 def test_draft_confidence_cuts_chains(engines, ckpts):

@@ -300,10 +300,14 @@ def test_datastore_option(dirs, tmp_path):
     assert f["datastore"] == str(ds) and f["prompt_lookup"] == [3, 3] and "datastore_tokens" not in f
     f = _config(dirs, {**look, "datastore": str(ds), "datastore_tokens": 2}
                 ).speculative_config.draft_model_config.hf_config.falcon
-    assert f["datastore_tokens"] == 2
-    for bad in ({**look, "datastore_tokens": 2}, {**look, "datastore": str(ds), "datastore_tokens": 0}):
-        with pytest.raises(ValueError, match="datastore_tokens must be an integer >= 1 and comes with a datastore"):
-            _config(dirs, bad)
+    assert f["datastore_tokens"] == 2 and "datastore_max_batch" not in f
+    f = _config(dirs, {**look, "datastore": str(ds), "datastore_max_batch": 1}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert f["datastore_max_batch"] == 1
+    for key in ("datastore_tokens", "datastore_max_batch"):
+        for bad in ({**look, key: 2}, {**look, "datastore": str(ds), key: 0}, {**look, "datastore": str(ds), key: True}):
+            with pytest.raises(ValueError, match=f"{key} must be an integer >= 1 and comes with a datastore"):
+                _config(dirs, bad)
     assert "datastore" not in _config(dirs, look).speculative_config.draft_model_config.hf_config.falcon
     with pytest.raises(ValueError, match="looked up with prompt lookup"):
         _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4,
@@ -319,9 +323,11 @@ def test_datastore_option(dirs, tmp_path):
     shutil.copy(ds, rec / "datastore.npz")
     (rec / "serving.json").write_text(json.dumps({"num_speculative_tokens": 8, "falcon_tokens": 2, "lookup_tokens": 4,
                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-                                                  "datastore": "datastore.npz", "datastore_tokens": 3}))
+                                                  "datastore": "datastore.npz", "datastore_tokens": 3,
+                                                  "datastore_max_batch": 1}))
     f = _config(dirs, {"method": "falcon", "model": str(rec)}).speculative_config.draft_model_config.hf_config.falcon
     assert f["datastore"] == str(rec / "datastore.npz") and f["prompt_lookup"] == [2, 4] and f["datastore_tokens"] == 3
+    assert f["datastore_max_batch"] == 1
     f = _config(dirs, {"method": "falcon", "model": str(rec), "datastore": False}
                 ).speculative_config.draft_model_config.hf_config.falcon
     assert "datastore" not in f and f["prompt_lookup"] == [2, 4]

@@ -74,10 +74,11 @@ class LookupState:
     """What one runner step's lookup decided (set by the runner hook, read by the proposer)."""
 
     def __init__(self, min_n: int, max_n: int, falcon_tokens: int, lookup_tokens: int | None = None,
-                 store: Datastore | None = None, store_tokens: int | None = None):
+                 store: Datastore | None = None, store_tokens: int | None = None, store_max_batch: int | None = None):
         self.min_n, self.max_n, self.falcon_tokens = min_n, max_n, falcon_tokens
         self.store = store  # the target's stored answers, where the request's own tokens repeat nothing
         self.store_tokens = store_tokens  # the longest datastore draft (None: as long as a lookup draft)
+        self.store_max_batch = store_max_batch  # the store is looked up in steps of at most this many requests
         self.lookup_tokens = lookup_tokens  # None: every lookup draft up to the step's budget
         self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
@@ -105,8 +106,9 @@ class LookupState:
         if self.lookup_tokens is not None:  # also at a budget k <= lookup_tokens: the record stays current
             hist = num_tokens + (0 if sampled is None else (sampled >= 0).sum(1))
             lengths = self._lengths(req_ids, hist, k)
+        store = self.store if self.store_max_batch is None or len(req_ids) <= self.store_max_batch else None
         drafts = lookup_drafts(token_ids, num_tokens, sampled, use, self.min_n, self.max_n, lengths, max_model_len,
-                               self.store, self.store_tokens)
+                               store, self.store_tokens)
         if self.lookup_tokens is not None:
             self._runs = {r: (int(n), len(d), L) for r, n, d, L in zip(req_ids, hist, drafts, lengths)}
         return drafts

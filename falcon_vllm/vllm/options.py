@@ -16,7 +16,7 @@ from pathlib import Path
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import build_tree
-from falcon_vllm.tune_tree import LOOKUP_KEYS, read_tree_file
+from falcon_vllm.tune_tree import LOOKUP_KEYS, STORE_KEYS, read_tree_file
 
 GEMM_DTYPES = ("auto", "bfloat16", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
 GEMM_DTYPE_ENV = "FALCON_VLLM_DRAFT_GEMM_DTYPE"  # its default
@@ -38,6 +38,8 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 #   datastore  with prompt lookup: a `falcon-vllm datastore` file of the target's answers, looked up where a
 #             request's own tokens repeat nothing (in a drafter's serving.json: relative to its directory); false: off
 #   datastore_tokens  with a datastore: its drafts' longest length (default: a lookup draft's)
+#   datastore_max_batch  with a datastore: it is looked up only in steps of at most this many requests (default:
+#             every step); its drafts are long, and the rows they add cost more as the batch grows
 #   draft_confidence  chain mode: a request's chain draft stops before its first token where the product of the
 #             drafter's probabilities of its tokens so far falls below this (0 <= value < 1; default 0: every token),
 #             and a further drafter pass runs only while some request's draft is still going; rows unlikely to be
@@ -49,7 +51,7 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
 FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "datastore", "datastore_tokens",
-               "draft_gemm_dtype", "draft_temperature_scale", "draft_confidence"}
+               "datastore_max_batch", "draft_gemm_dtype", "draft_temperature_scale", "draft_confidence"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -200,19 +202,20 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                 sc[key] = v
         if rec_scale is not None and sc.get("draft_sample_method") == "probabilistic":
             sc.setdefault("draft_temperature_scale", rec_scale)
-        rec_store = {key: lookup_rec.pop(key) for key in ("datastore", "datastore_tokens") if key in lookup_rec}
+        rec_store = {key: lookup_rec.pop(key) for key in STORE_KEYS if key in lookup_rec}
         if not any(key in sc for key in LOOKUP_KEYS):
             sc.update(lookup_rec)
             if isinstance(rec_store.get("datastore"), str) and "datastore" not in sc:  # relative to the drafter
                 sc["datastore"] = os.path.join(path, rec_store["datastore"])
                 sc.setdefault("datastore_tokens", rec_store.get("datastore_tokens"))
+                sc.setdefault("datastore_max_batch", rec_store.get("datastore_max_batch"))
     store = sc.pop("datastore", None)
     store = None if store is False else store  # false: off (e.g. over a drafter's recommended configuration)
-    store_tokens = sc.pop("datastore_tokens", None)
-    if store_tokens is not None and (store is None or not isinstance(store_tokens, int)
-                                     or isinstance(store_tokens, bool) or store_tokens < 1):
-        raise ValueError(f"falcon-vllm: datastore_tokens must be an integer >= 1 and comes with a datastore, got "
-                         f"{store_tokens!r}" + ("" if store is not None else " without one"))
+    store_tokens, store_batch = sc.pop("datastore_tokens", None), sc.pop("datastore_max_batch", None)
+    for key, v in (("datastore_tokens", store_tokens), ("datastore_max_batch", store_batch)):
+        if v is not None and (store is None or not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"falcon-vllm: {key} must be an integer >= 1 and comes with a datastore, got "
+                             f"{v!r}" + ("" if store is not None else " without one"))
     lookup = _lookup_options(sc)  # pops the prompt-lookup keys
     if store is not None:
         if not isinstance(store, str) or lookup is None:
@@ -289,8 +292,9 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens, lookup_tokens=lookup_tokens)
         if store is not None:
             info["datastore"] = os.path.abspath(store)
-            if store_tokens is not None:
-                info["datastore_tokens"] = store_tokens
+            for key, v in (("datastore_tokens", store_tokens), ("datastore_max_batch", store_batch)):
+                if v is not None:
+                    info[key] = v
     return sc, info
 
 

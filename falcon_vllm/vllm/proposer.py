@@ -127,7 +127,7 @@ class FalconProposer(EagleProposer):
             store = self.falcon.get("datastore")
             self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"], self.falcon.get("lookup_tokens"),
                                       Datastore.load(store).build() if store else None,
-                                      self.falcon.get("datastore_tokens"))
+                                      self.falcon.get("datastore_tokens"), self.falcon.get("datastore_max_batch"))
             lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
