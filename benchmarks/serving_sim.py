@@ -11,7 +11,8 @@ tokens, so walking each answer step by step gives, for any policy, exactly the s
   chain:F            the drafter's chain of F tokens every step
   lookup:K:F:L:N     prompt lookup first (n-grams N..4, up to K tokens, adaptive from L as the proposer's
                      ``lookup_tokens``), the drafter's chain of F otherwise (the shipped default's form)
-  falcon             the drafter's ``serving.json`` at batch 1 (lookup or chain, as the plugin serves it)
+  falcon             the drafter's ``serving.json`` at batch 1 (lookup or chain, as the plugin serves it; a
+                     datastore it names is not modelled)
   ngram:K            vLLM's n-gram proposer alone (K tokens, n-grams 2..4; no drafter)
 
 Reported per drafter, dataset and policy: tokens per step (bonus included), verified draft rows and
