@@ -90,9 +90,10 @@ class BlockInputStash:
 
     def defer(self, slots: list[int], rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
               cap: int) -> bool:
-        """Append each request's verified rows (ids [n], feats [n, H], offsets [n], first position) to its pending rows, unless
-        one would then hold more than ``cap`` (returns False, nothing changed).  Rows that do not follow a request's
-        pending rows replace them (what lay between was written some other way)."""
+        """Append each request's verified rows (ids [n], feats [n, H], offsets [n], first position) to its pending
+        rows, unless one would then hold more than ``cap`` (returns False, nothing changed).  Rows that do not follow
+        a request's pending rows replace them: the old ones are dropped, their K/V left unwritten, as after a step that
+        drafts nothing (only acceptance can suffer)."""
         merged = []
         for s, (ids, feats, offs, first) in zip(slots, rows):
             old = self.pending.get(s)
