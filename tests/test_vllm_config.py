@@ -305,7 +305,7 @@ def test_datastore_option(dirs, tmp_path):
                 ).speculative_config.draft_model_config.hf_config.falcon
     assert f["datastore_max_batch"] == 1
     for key in ("datastore_tokens", "datastore_max_batch"):
-        for bad in ({**look, key: 2}, {**look, "datastore": str(ds), key: 0}, {**look, "datastore": str(ds), key: True}):
+        for bad in ({**look, key: 2}, *({**look, "datastore": str(ds), key: v} for v in (0, True))):
             with pytest.raises(ValueError, match=f"{key} must be an integer >= 1 and comes with a datastore"):
                 _config(dirs, bad)
     assert "datastore" not in _config(dirs, look).speculative_config.draft_model_config.hf_config.falcon
