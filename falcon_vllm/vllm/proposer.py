@@ -386,7 +386,7 @@ class FalconProposer(EagleProposer):
         chunk_req, chunk_ids, chunk_pos = req[keep], self.input_ids[keep], self.positions[keep]
         chunk_feats = self.hidden_states[keep]
         if self.level_embedding:  # chunk rows: blocks aligned to each request's end, as the reference lays them out
-            offsets = (chunk_pos.long() - positions[chunk_req, -1] - 1) % k
+            offsets = self._end_offsets(chunk_pos, positions[chunk_req, -1])
         pend = None
         if self._stash.pending:  # rows deferred by steps served by prompt lookup alone run first
             starts = self.positions[cad.query_start_loc[:B].long()].tolist()
@@ -438,9 +438,10 @@ class FalconProposer(EagleProposer):
         """Keep each request's verified rows (the drafter's inputs of this step's chunk) as pending rows for the next
         drafter pass instead of running one now; False (nothing kept) when one would exceed ``defer_rows``."""
         start, end = cad.query_start_loc_cpu[:B].tolist(), last.tolist()
-        # a row's level offset: from its request's end now, as this step's pass would give it (_chunk_offsets)
+        # a row's level offset: from its request's end now, as this step's pass would give it
         rows = [(self.input_ids[a:e + 1].clone(), self.hidden_states[a:e + 1].clone(),
-                 (torch.arange(a, e + 1) - e - 1) % self.k, int(self.positions[a])) for a, e in zip(start, end)]
+                 self._end_offsets(self.positions[a:e + 1], int(self.positions[e])), int(self.positions[a]))
+                for a, e in zip(start, end)]
         return self._stash.defer(self._step_slots.tolist(), rows, self.defer_rows)
 
     def _block_offsets(self, nb: int, device) -> torch.Tensor | None:
@@ -453,7 +454,12 @@ class FalconProposer(EagleProposer):
         if not self.level_embedding:
             return None
         req = self._row_requests(cad, torch.arange(num_tokens, device=positions.device), positions.shape[0])
-        return (self.positions[:num_tokens].long() - positions[req, -1] - 1) % self.k
+        return self._end_offsets(self.positions[:num_tokens], positions[req, -1])
+
+    def _end_offsets(self, pos: torch.Tensor, end) -> torch.Tensor:
+        """Level offsets of rows at positions ``pos`` in k-blocks aligned to their request's last committed position
+        ``end`` (a tensor per row, or an int)."""
+        return (pos.long() - end - 1) % self.k
 
     @staticmethod
     def _row_requests(cad, row: torch.Tensor, B: int) -> torch.Tensor:
