@@ -205,7 +205,9 @@ STORE_KEYS = ("datastore", "datastore_tokens", "datastore_max_batch")
 class TreeFile:
     """A JSON file written by ``falcon-vllm tune-tree`` (``main`` below), or a drafter's ``serving.json``,
     which holds either such a file or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
-    ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size), vLLM's
+    ``"num_speculative_tokens_per_batch_size": [[lo, hi, K], ...]`` (the chain's length per batch size; with
+    ``"num_speculative_tokens_per_batch_size_by_cpu": {capability: schedule}``, a schedule for CPUs of that
+    capability instead), vLLM's
     ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys
     (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``, ``datastore``,
     ``datastore_tokens``)."""
@@ -214,6 +216,7 @@ class TreeFile:
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
     num_speculative_tokens: int | None     # serving.json's chain form
     chain_schedule: list | None = None     # serving.json's chain form: K per batch-size range
+    chain_schedule_by_cpu: dict | None = None  # serving.json's chain form: {CPU capability: schedule} (it wins there)
     lookup: dict = field(default_factory=dict)  # serving.json's chain form: its prompt-lookup keys, as given
     draft_sample_method: str | None = None  # serving.json's chain form: how the chain's drafts are drawn
     draft_temperature_scale: float | None = None  # serving.json's chain form: sampled drafts' temperature factor
@@ -235,6 +238,7 @@ def read_tree_file(path: str) -> TreeFile:
                     by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()),
                     num_speculative_tokens=n if isinstance(n, int) else None,
                     chain_schedule=data.get("num_speculative_tokens_per_batch_size"),
+                    chain_schedule_by_cpu=data.get("num_speculative_tokens_per_batch_size_by_cpu"),
                     lookup={key: data[key] for key in LOOKUP_KEYS + STORE_KEYS if key in data},
                     draft_sample_method=data.get("draft_sample_method"),
                     draft_temperature_scale=data.get("draft_temperature_scale"))

@@ -186,9 +186,11 @@ def test_cpu_expand_kernel_fixed():
     assert cpu_triton_utils._expand_kernel_impl is expand_to_tokens  # what the CPU platform registers
 
 
-def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
+def test_drafter_recommended_serving_is_the_default(dirs, tmp_path, monkeypatch):
     """Without `tree` or `num_speculative_tokens`, a drafter's serving.json decides; explicit keys win."""
     import json
+
+    import falcon_vllm.vllm.options as opts
 
     chain = tmp_path / "chain"
     shutil.copytree(dirs / "good", chain)
@@ -205,6 +207,27 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
                                                     "num_speculative_tokens_per_batch_size": [[1, 3, 5]]}))
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size must be"):
         _config(dirs, {"method": "falcon", "model": str(chain)})
+    # a schedule for CPUs of one capability replaces the general one there, and only there
+    by_cpu = {"AVX512": [[1, 7, 3], [8, 64, 0]]}
+    (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3,
+                                                    "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 64, 0]],
+                                                    "num_speculative_tokens_per_batch_size_by_cpu": by_cpu}))
+    for capability, want in (("AVX512", [[1, 7, 3], [8, 64, 0]]), ("AVX2", [[1, 3, 3], [4, 64, 0]]),
+                             (None, [[1, 3, 3], [4, 64, 0]])):  # None: not serving on a CPU
+        monkeypatch.setattr(opts, "cpu_capability", lambda c=capability: c)
+        sc = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config
+        assert [list(r) for r in sc.num_speculative_tokens_per_batch_size] == want, capability
+    monkeypatch.setattr(opts, "cpu_capability", lambda: "AVX512")
+    sc = _config(dirs, {"method": "falcon", "model": str(chain),  # an explicit schedule still wins
+                        "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}).speculative_config
+    assert [list(r) for r in sc.num_speculative_tokens_per_batch_size] == [[1, 1, 3], [2, 64, 0]]
+    for bad, match in (({"AVX2": [[1, 3, 5]]}, r"by_cpu\['AVX2'\] must be a list"),
+                       ([[1, 3, 3]], "must map CPU capabilities")):  # checked on every CPU
+        (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3,
+                                                        "num_speculative_tokens_per_batch_size_by_cpu": bad}))
+        with pytest.raises(ValueError, match=match):
+            _config(dirs, {"method": "falcon", "model": str(chain)})
+    monkeypatch.undo()
     # sampled drafts for sampled requests; an explicit draft_sample_method wins
     (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3,
                                                     "draft_sample_method": "probabilistic"}))
@@ -252,6 +275,30 @@ def test_drafter_recommended_serving_is_the_default(dirs, tmp_path):
     (chain / "serving.json").write_text("{not json")
     with pytest.raises(Exception, match="serving.json is not valid JSON"):
         _config(dirs, {"method": "falcon", "model": str(chain)})
+
+
+def test_shipped_schedule_follows_this_cpu():
+    """The shipped drafter's serving.json drafts at batch 3 on AVX-512 CPUs only (where compiled serving verifies
+    extra rows cheaply); the plugin picks the schedule by the capability torch reports for this CPU."""
+    import json
+
+    import torch
+    from vllm.platforms import current_platform
+
+    from falcon_vllm.vllm.options import DRAFTERS_DIR, SERVING_FILE, cpu_capability, recommended_serving
+
+    drafter = DRAFTERS_DIR / "smollm2-135m-instruct"
+    with open(drafter / SERVING_FILE) as f:
+        shipped = json.load(f)
+    if not current_platform.is_cpu():
+        assert cpu_capability() is None
+        return
+    assert cpu_capability() == torch.backends.cpu.get_cpu_capability()
+    want = shipped["num_speculative_tokens_per_batch_size_by_cpu"].get(
+        torch.backends.cpu.get_cpu_capability(), shipped["num_speculative_tokens_per_batch_size"])
+    _, n, keys, _ = recommended_serving(str(drafter))
+    assert n == 8 and keys["num_speculative_tokens_per_batch_size"] == want
+    assert shipped["num_speculative_tokens_per_batch_size_by_cpu"]["AVX512"][0] == [1, 3, 8]
 
 
 def test_prompt_lookup_options(dirs, tmp_path):

@@ -22,6 +22,7 @@ def _shipped_form() -> dict:
     with open(DRAFTERS_DIR / "smollm2-135m-instruct" / SERVING_FILE) as f:
         form = json.load(f)
     form.pop("num_speculative_tokens_per_batch_size")
+    form.pop("num_speculative_tokens_per_batch_size_by_cpu", None)
     if isinstance(form.get("datastore"), str):  # named relative to the drafter's directory
         form["datastore"] = str(DRAFTERS_DIR / "smollm2-135m-instruct" / form["datastore"])
     return form

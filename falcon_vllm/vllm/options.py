@@ -114,8 +114,10 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
     recommends in ``serving.json``: either a ``falcon-vllm tune-tree`` file (its tree and per-batch-size schedule
     are used) or ``{"num_speculative_tokens": n}`` (a chain), optionally with vLLM's
     ``num_speculative_tokens_per_batch_size`` (``[[lo, hi, K], ...]``: the chain's length per batch-size range,
-    0 = drafting off) and ``draft_sample_method`` (``"probabilistic"``: sampled requests get drafts drawn at
-    their temperature times ``draft_temperature_scale``), and the prompt-lookup options (``prompt_lookup_min`` /
+    0 = drafting off; ``num_speculative_tokens_per_batch_size_by_cpu``: such a schedule per CPU capability, used
+    instead on a CPU of that capability, :func:`cpu_capability`) and ``draft_sample_method``
+    (``"probabilistic"``: sampled requests get drafts drawn at their temperature times
+    ``draft_temperature_scale``), and the prompt-lookup options (``prompt_lookup_min`` /
     ``prompt_lookup_max`` / ``falcon_tokens``); None / {} when it has none."""
     f = os.path.join(path, SERVING_FILE)
     if not os.path.isfile(f):
@@ -128,12 +130,19 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
         return f, None, {}, {}
     n, sched, method = rec.num_speculative_tokens, rec.chain_schedule, rec.draft_sample_method
     if n is not None:
-        if sched is not None and not (isinstance(sched, list) and all(
-                isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and x >= 0 for x in r)
-                and r[0] <= r[1] and r[2] <= n for r in sched)):
-            raise ValueError(f"falcon-vllm: {f}: num_speculative_tokens_per_batch_size must be a list of "
-                             f"[min batch size, max batch size, K] with 0 <= K <= num_speculative_tokens ({n}), "
-                             f"got {sched!r}")
+        by_cpu = rec.chain_schedule_by_cpu
+        if by_cpu is not None and not (isinstance(by_cpu, dict) and all(isinstance(c, str) for c in by_cpu)):
+            raise ValueError(f"falcon-vllm: {f}: num_speculative_tokens_per_batch_size_by_cpu must map CPU "
+                             f"capabilities (e.g. \"AVX512\", as torch.backends.cpu.get_cpu_capability() names "
+                             f"them) to schedules, got {by_cpu!r}")
+        for key, sch in [("num_speculative_tokens_per_batch_size", sched)] + [
+                (f"num_speculative_tokens_per_batch_size_by_cpu[{c!r}]", v) for c, v in (by_cpu or {}).items()]:
+            if sch is not None and not (isinstance(sch, list) and all(
+                    isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and x >= 0 for x in r)
+                    and r[0] <= r[1] and r[2] <= n for r in sch)):
+                raise ValueError(f"falcon-vllm: {f}: {key} must be a list of [min batch size, max batch size, K] "
+                                 f"with 0 <= K <= num_speculative_tokens ({n}), got {sch!r}")
+        sched = (by_cpu or {}).get(cpu_capability(), sched)  # a schedule measured on this kind of CPU wins
         if method not in (None, "greedy", "probabilistic"):
             raise ValueError(f"falcon-vllm: {f}: draft_sample_method must be \"greedy\" or \"probabilistic\", "
                              f"got {method!r}")
@@ -144,6 +153,19 @@ def recommended_serving(path: str) -> tuple[str | None, int | None, dict, dict]:
                 "draft_temperature_scale": rec.draft_temperature_scale}
         return None, n, {key: v for key, v in keys.items() if v is not None}, rec.lookup
     raise ValueError(f"falcon-vllm: {f} must be a `falcon-vllm tune-tree` file or {{\"num_speculative_tokens\": n}}")
+
+
+def cpu_capability() -> str | None:
+    """The CPU's vector capability as torch names it ("AVX512", "AVX2", ...) when vLLM serves on the CPU, else None:
+    how many rows a CPU verifies at the price of one depends on it, so a drafter's serving.json may give each its
+    own per-batch-size schedule."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _batch_size_trees(tree_spec, k: int, n: int):
