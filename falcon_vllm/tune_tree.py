@@ -210,7 +210,7 @@ class TreeFile:
     capability instead), vLLM's
     ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys
     (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``, ``datastore``,
-    ``datastore_tokens``)."""
+    ``datastore_tokens``, ``datastore_max_batch``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending

@@ -229,12 +229,12 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
             sc.update(lookup_rec)
             if isinstance(rec_store.get("datastore"), str) and "datastore" not in sc:  # relative to the drafter
                 sc["datastore"] = os.path.join(path, rec_store["datastore"])
-                sc.setdefault("datastore_tokens", rec_store.get("datastore_tokens"))
-                sc.setdefault("datastore_max_batch", rec_store.get("datastore_max_batch"))
+                for key in STORE_KEYS[1:]:
+                    sc.setdefault(key, rec_store.get(key))
     store = sc.pop("datastore", None)
     store = None if store is False else store  # false: off (e.g. over a drafter's recommended configuration)
-    store_tokens, store_batch = sc.pop("datastore_tokens", None), sc.pop("datastore_max_batch", None)
-    for key, v in (("datastore_tokens", store_tokens), ("datastore_max_batch", store_batch)):
+    store_opts = {key: sc.pop(key, None) for key in STORE_KEYS[1:]}  # datastore_tokens, datastore_max_batch
+    for key, v in store_opts.items():
         if v is not None and (store is None or not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"falcon-vllm: {key} must be an integer >= 1 and comes with a datastore, got "
                              f"{v!r}" + ("" if store is not None else " without one"))
@@ -314,9 +314,7 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens, lookup_tokens=lookup_tokens)
         if store is not None:
             info["datastore"] = os.path.abspath(store)
-            for key, v in (("datastore_tokens", store_tokens), ("datastore_max_batch", store_batch)):
-                if v is not None:
-                    info[key] = v
+            info.update({key: v for key, v in store_opts.items() if v is not None})
     return sc, info
 
 
