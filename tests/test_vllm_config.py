@@ -403,6 +403,42 @@ def test_draft_confidence_option(dirs):
         _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "tree": "tree-2x2x1", "draft_confidence": 0.1})
 
 
+def test_ragged_drafts_turn_async_scheduling_off(dirs):
+    """Prompt lookup and draft_confidence give requests drafts of different lengths, which vLLM's async scheduler
+    cannot take. Left to vLLM (None: on a GPU it would turn async scheduling on for the EAGLE plumbing), the plugin
+    turns it off before vLLM builds the scheduler config; asked for explicitly, it is one clear error; a plain chain
+    or tree leaves it as given."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import falcon_vllm
+    from falcon_vllm.vllm.options import check_async_scheduling
+    falcon_vllm.register()
+    good = {"method": "falcon", "model": str(dirs / "good")}
+
+    def engine_args(spec, **kw):
+        return EngineArgs(model=str(dirs / "target"), dtype="float32", max_model_len=256, enforce_eager=True,
+                          speculative_config=spec, **kw)
+
+    for spec in ({**good, "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+                 {**good, "num_speculative_tokens": 4, "draft_confidence": 0.1}):
+        ea = engine_args(spec)
+        assert ea.async_scheduling is None
+        cfg = ea.create_engine_config()
+        assert ea.async_scheduling is False and cfg.scheduler_config.async_scheduling is False
+        with pytest.raises(ValueError, match="drafts of different lengths.*--no-async-scheduling"):
+            engine_args(spec, async_scheduling=True).create_engine_config()
+    for spec in ({**good, "num_speculative_tokens": 3}, {**good, "tree": "tree-2x2x1"}):
+        ea = engine_args(spec)
+        ea.create_engine_config()
+        assert ea.async_scheduling is None
+    # the rule itself, as the proposer applies it to a config built without the hook
+    assert check_async_scheduling({"prompt_lookup": [2, 4]}, None) is False
+    assert check_async_scheduling({"prompt_lookup": [2, 4]}, False) is False
+    assert check_async_scheduling({"mode": "chain"}, True) is True
+    with pytest.raises(ValueError, match="prompt lookup .* and draft_confidence"):
+        check_async_scheduling({"prompt_lookup": [2, 4], "draft_confidence": 0.1}, True)
+
+
 def test_cpu_rms_norm_matches_vllm_native():
     """model.CpuRMSNorm (vLLM's C++ CPU kernels) computes what vLLM's RMSNorm computes natively, with and without
     the residual add; use_cpu_norm_kernels swaps only the norms the kernels take (channels a multiple of 16)."""

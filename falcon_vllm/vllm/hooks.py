@@ -75,7 +75,7 @@ def _create_speculative_config(orig):
         from vllm.config import SpeculativeConfig
         from vllm.logger import init_logger
 
-        from falcon_vllm.vllm.options import resolve_falcon_config
+        from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
 
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         if runner_env is not None and runner_env.strip().lower() in ("1", "true"):
@@ -84,6 +84,8 @@ def _create_speculative_config(orig):
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
         eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid)
+        asked = getattr(self, "async_scheduling", None)
+        async_scheduling = check_async_scheduling(info, asked)
         saved = {name: getattr(self, name, None) for name in ("spec_method", "spec_model", "spec_tokens")}
         self.speculative_config = eagle_sc
         for name in saved:
@@ -103,6 +105,10 @@ def _create_speculative_config(orig):
         log.info("falcon-vllm: method falcon -> vLLM's EAGLE plumbing with drafter %s (k=%s, K=%d, %s mode%s)",
                  spec.draft_model_config.model, hf.falcon.get("k"), spec.num_speculative_tokens,
                  hf.falcon.get("mode"), f", tree {hf.falcon['tree_name']}" if "tree_name" in hf.falcon else "")
+        if async_scheduling is not asked:  # read by create_engine_config's SchedulerConfig, built after this
+            self.async_scheduling = async_scheduling
+            log.info("falcon-vllm: async scheduling off: %s gives requests drafts of different lengths, which vLLM's "
+                     "async scheduler cannot take", ragged_drafts(info))
         if runner_env is None:  # the Falcon proposer hooks the V1 model runner (the only one on CPU)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             log.info("falcon-vllm: selecting vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")

@@ -16,8 +16,8 @@ arithmetic (a few ms per row on a CPU), and a rejected lookup row buys nothing.
 
 Verification is unchanged (vLLM's rejection sampler on one-hot proposals), so outputs are exactly
 vanilla vLLM's whatever is drafted.  Drafts become per-request lists of different lengths, as vLLM's
-ngram method returns them; that needs vLLM's synchronous scheduler (the CPU platform always runs it;
-on GPU the proposer refuses to start with async scheduling).
+ngram method returns them; that needs vLLM's synchronous scheduler (the CPU platform always runs it; elsewhere
+the config hook turns async scheduling off, and refuses an explicit request for it: ``options.check_async_scheduling``).
 
 With a datastore (``datastore``: :mod:`falcon_vllm.datastore`), a request whose own tokens repeat nothing is
 looked up in the target's stored answers next; the drafter's chain covers what neither finds.

@@ -190,6 +190,27 @@ def _batch_size_trees(tree_spec, k: int, n: int):
     return schedule, sized
 
 
+def ragged_drafts(falcon: dict) -> str | None:
+    """What in a resolved Falcon config (the ``info`` of :func:`resolve_falcon_config`) gives requests drafts of
+    different lengths in one step, which vLLM's async scheduler cannot take; None when nothing does."""
+    ragged = [name for name, on in (("prompt lookup (prompt_lookup_max)", falcon.get("prompt_lookup")),
+                                    ("draft_confidence", falcon.get("draft_confidence"))) if on]
+    return " and ".join(ragged) or None
+
+
+def check_async_scheduling(falcon: dict, async_scheduling: bool | None) -> bool | None:
+    """The ``async_scheduling`` the engine should run with: False where the config gives ragged drafts and the
+    user left it to vLLM (None, which would turn it on for EAGLE's plumbing on a GPU), an error where the user
+    asked for it; otherwise as given."""
+    ragged = ragged_drafts(falcon)
+    if ragged is None:
+        return async_scheduling
+    if async_scheduling:
+        raise ValueError(f"falcon-vllm: {ragged} gives requests drafts of different lengths, which vLLM's async "
+                         "scheduler cannot take: run with --no-async-scheduling (or without async_scheduling=True)")
+    return False
+
+
 def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[dict, dict]:
     """Return (the config to give vLLM with method 'eagle', Falcon info to tag the draft config)."""
     sc = {k.replace("-", "_"): v for k, v in sc.items()}

@@ -66,6 +66,7 @@ from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm import lookup, patches, tree_verify
 from falcon_vllm.vllm.lookup import LookupState
 from falcon_vllm.vllm.model import wrap_gemms
+from falcon_vllm.vllm.options import check_async_scheduling
 from falcon_vllm.vllm.paged_kv import tree_attention_scope
 from falcon_vllm.vllm.stash import BlockInputStash
 from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
@@ -116,12 +117,8 @@ class FalconProposer(EagleProposer):
         self.last_confidence: torch.Tensor | None = None  # [B, K]: the drafter's probability of each chain token
         if not self.falcon:
             return
-        ragged = [name for name, on in (("prompt_lookup_max (prompt lookup first, Falcon otherwise)",
-                                          self.falcon.get("prompt_lookup")),
-                                         ("draft_confidence", self.draft_confidence)) if on]
-        if ragged and vllm_config.scheduler_config.async_scheduling:
-            raise ValueError(f"falcon-vllm: {' and '.join(ragged)} gives requests drafts of different lengths, which "
-                             "vLLM's async scheduler cannot take: run with --no-async-scheduling")
+        # the config hook turns async scheduling off for ragged drafts; a config built another way is refused here
+        check_async_scheduling(self.falcon, vllm_config.scheduler_config.async_scheduling)
         if self.falcon.get("prompt_lookup"):
             lo, hi = self.falcon["prompt_lookup"]
             store = self.falcon.get("datastore")
