@@ -35,13 +35,17 @@ def dirs(tmp_path_factory):
     return base
 
 
-def _config(dirs, spec, **kw):
+def _engine_args(dirs, spec, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
     import falcon_vllm
     falcon_vllm.register()
     return EngineArgs(model=str(dirs / "target"), dtype="float32", max_model_len=256, enforce_eager=True,
-                      speculative_config=spec, **kw).create_engine_config()
+                      speculative_config=spec, **kw)
+
+
+def _config(dirs, spec, **kw):
+    return _engine_args(dirs, spec, **kw).create_engine_config()
 
 
 def test_good_config_maps_to_eagle_plumbing(dirs):
@@ -408,27 +412,19 @@ def test_ragged_drafts_turn_async_scheduling_off(dirs):
     cannot take. Left to vLLM (None: on a GPU it would turn async scheduling on for the EAGLE plumbing), the plugin
     turns it off before vLLM builds the scheduler config; asked for explicitly, it is one clear error; a plain chain
     or tree leaves it as given."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    import falcon_vllm
     from falcon_vllm.vllm.options import check_async_scheduling
-    falcon_vllm.register()
+
     good = {"method": "falcon", "model": str(dirs / "good")}
-
-    def engine_args(spec, **kw):
-        return EngineArgs(model=str(dirs / "target"), dtype="float32", max_model_len=256, enforce_eager=True,
-                          speculative_config=spec, **kw)
-
     for spec in ({**good, "num_speculative_tokens": 4, "prompt_lookup_max": 3},
                  {**good, "num_speculative_tokens": 4, "draft_confidence": 0.1}):
-        ea = engine_args(spec)
+        ea = _engine_args(dirs, spec)
         assert ea.async_scheduling is None
         cfg = ea.create_engine_config()
         assert ea.async_scheduling is False and cfg.scheduler_config.async_scheduling is False
         with pytest.raises(ValueError, match="drafts of different lengths.*--no-async-scheduling"):
-            engine_args(spec, async_scheduling=True).create_engine_config()
+            _config(dirs, spec, async_scheduling=True)
     for spec in ({**good, "num_speculative_tokens": 3}, {**good, "tree": "tree-2x2x1"}):
-        ea = engine_args(spec)
+        ea = _engine_args(dirs, spec)
         ea.create_engine_config()
         assert ea.async_scheduling is None
     # the rule itself, as the proposer applies it to a config built without the hook
