@@ -40,8 +40,8 @@ def _engine_args(dirs, spec, **kw):
 
     import falcon_vllm
     falcon_vllm.register()
-    return EngineArgs(model=str(dirs / "target"), dtype="float32", max_model_len=256, enforce_eager=True,
-                      speculative_config=spec, **kw)
+    kw.setdefault("enforce_eager", True)
+    return EngineArgs(model=str(dirs / "target"), dtype="float32", max_model_len=256, speculative_config=spec, **kw)
 
 
 def _config(dirs, spec, **kw):
@@ -433,6 +433,53 @@ def test_ragged_drafts_turn_async_scheduling_off(dirs):
     assert check_async_scheduling({"mode": "chain"}, True) is True
     with pytest.raises(ValueError, match="prompt lookup .* and draft_confidence"):
         check_async_scheduling({"prompt_lookup": [2, 4], "draft_confidence": 0.1}, True)
+
+
+def test_tree_mode_takes_piecewise_cuda_graphs(dirs, monkeypatch):
+    """Tree mode computes the target's attention in Python, which a fully captured CUDA graph would skip. Where the
+    platform captures graphs and the user left cudagraph_mode unset (vLLM would pick FULL_AND_PIECEWISE on CUDA),
+    the config hook sets PIECEWISE on a copy of the compilation config; a full mode asked for is one clear error at
+    config time; a chain, eager mode and a platform without graphs (this CPU) are left as given."""
+    from vllm.config import CompilationConfig, CUDAGraphMode, ParallelConfig
+    from vllm.platforms import current_platform
+
+    from falcon_vllm.vllm.options import check_cudagraph_mode
+
+    good = {"method": "falcon", "model": str(dirs / "good")}
+    tree, chain = {**good, "tree": "tree-2x2x1"}, {**good, "num_speculative_tokens": 3}
+    ea = _engine_args(dirs, tree, enforce_eager=False)
+    ea.create_engine_config()  # the CPU platform captures no graphs: nothing set
+    assert ea.compilation_config.cudagraph_mode is None
+    # the rule, as the hook and the proposer's start-up guard apply it
+    assert check_cudagraph_mode({"mode": "tree"}, None) == CUDAGraphMode.PIECEWISE
+    assert check_cudagraph_mode({"mode": "tree"}, CUDAGraphMode.NONE) == CUDAGraphMode.NONE
+    assert check_cudagraph_mode({"mode": "tree"}, "piecewise") == CUDAGraphMode.PIECEWISE
+    assert check_cudagraph_mode({"mode": "chain"}, CUDAGraphMode.FULL) == CUDAGraphMode.FULL
+    assert check_cudagraph_mode({"mode": "tree"}, CUDAGraphMode.FULL, enforce_eager=True) == CUDAGraphMode.FULL
+    for full in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, "full"):
+        with pytest.raises(ValueError, match="tree mode needs the target's attention outside CUDA graphs"):
+            check_cudagraph_mode({"mode": "tree"}, full)
+    # the hook on a platform that captures graphs: only the speculative config is built (the rest of the engine
+    # config would need the GPU)
+    monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
+
+    def hooked(spec, **kw):
+        ea = _engine_args(dirs, spec, enforce_eager=False, **kw)
+        ea.create_speculative_config(ea.create_model_config(), ParallelConfig())
+        return ea
+
+    user = CompilationConfig()
+    ea = hooked(tree, compilation_config=user)
+    assert ea.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert user.cudagraph_mode is None  # the user's object is untouched
+    assert hooked(chain).compilation_config.cudagraph_mode is None
+    assert hooked(tree, compilation_config={"cudagraph_mode": "NONE"}).compilation_config.cudagraph_mode == \
+        CUDAGraphMode.NONE
+    with pytest.raises(ValueError, match="outside CUDA graphs.*FULL_AND_PIECEWISE"):
+        hooked(tree, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    eager = _engine_args(dirs, tree)  # enforce_eager: vLLM captures nothing, the setting is left as given
+    eager.create_speculative_config(eager.create_model_config(), ParallelConfig())
+    assert eager.compilation_config.cudagraph_mode is None
 
 
 def test_cpu_rms_norm_matches_vllm_native():

@@ -25,6 +25,7 @@ to be run by any proposer but ``FalconProposer``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -75,7 +76,8 @@ def _create_speculative_config(orig):
         from vllm.config import SpeculativeConfig
         from vllm.logger import init_logger
 
-        from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
+        from falcon_vllm.vllm.options import (check_async_scheduling, check_cudagraph_mode, ragged_drafts,
+                                              resolve_falcon_config)
 
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         if runner_env is not None and runner_env.strip().lower() in ("1", "true"):
@@ -86,6 +88,7 @@ def _create_speculative_config(orig):
         eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid)
         asked = getattr(self, "async_scheduling", None)
         async_scheduling = check_async_scheduling(info, asked)
+        graphs = _cudagraph_mode(self, info)
         saved = {name: getattr(self, name, None) for name in ("spec_method", "spec_model", "spec_tokens")}
         self.speculative_config = eagle_sc
         for name in saved:
@@ -109,12 +112,32 @@ def _create_speculative_config(orig):
             self.async_scheduling = async_scheduling
             log.info("falcon-vllm: async scheduling off: %s gives requests drafts of different lengths, which vLLM's "
                      "async scheduler cannot take", ragged_drafts(info))
+        if graphs is not None:  # copied into the VllmConfig after this returns (create_engine_config)
+            self.compilation_config = copy.deepcopy(self.compilation_config)  # not the user's object
+            self.compilation_config.cudagraph_mode = graphs
+            log.info("falcon-vllm: cudagraph_mode PIECEWISE: tree mode computes the target's attention outside "
+                     "CUDA graphs")
         if runner_env is None:  # the Falcon proposer hooks the V1 model runner (the only one on CPU)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             log.info("falcon-vllm: selecting vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
         return spec
 
     return create_speculative_config
+
+
+def _cudagraph_mode(engine_args, info: dict):
+    """The cudagraph_mode to set on ``engine_args`` for a resolved Falcon config, None to leave it (an explicit
+    full mode in tree mode raises).  Only where the platform captures CUDA graphs: elsewhere vLLM runs none."""
+    from vllm.platforms import current_platform
+
+    from falcon_vllm.vllm.options import check_cudagraph_mode
+
+    if not current_platform.support_static_graph_mode():
+        return None
+    cc = getattr(engine_args, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    wanted = check_cudagraph_mode(info, mode, bool(getattr(engine_args, "enforce_eager", False)))
+    return wanted if cc is not None and mode is None and wanted is not None else None
 
 
 # ---------------------------------------------------------------------- CLI

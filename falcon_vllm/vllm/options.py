@@ -211,6 +211,30 @@ def check_async_scheduling(falcon: dict, async_scheduling: bool | None) -> bool 
     return False
 
 
+FULL_GRAPHS_MESSAGE = ("falcon-vllm: tree mode needs the target's attention outside CUDA graphs (a fully captured "
+                       "graph would replay the stock attention and skip the ancestor mask): run with "
+                       "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager, or leave "
+                       "cudagraph_mode unset")
+
+
+def check_cudagraph_mode(falcon: dict, mode, enforce_eager: bool = False):
+    """The ``cudagraph_mode`` the engine should run with.  Tree mode computes the target's attention in Python
+    (the ancestor mask), which only piecewise CUDA graphs leave outside the captured graphs: left to vLLM
+    (None, which becomes FULL_AND_PIECEWISE on CUDA), PIECEWISE; a full mode asked for, an error (unless
+    ``enforce_eager``, under which vLLM captures no graphs).  Chains run vLLM's own attention: as given."""
+    from vllm.config import CUDAGraphMode
+
+    if falcon.get("mode") != "tree" or enforce_eager:
+        return mode
+    if mode is None:
+        return CUDAGraphMode.PIECEWISE
+    if isinstance(mode, str):
+        mode = CUDAGraphMode[mode.upper()]
+    if mode.has_full_cudagraphs():
+        raise ValueError(f"{FULL_GRAPHS_MESSAGE} (cudagraph_mode is {mode.name})")
+    return mode
+
+
 def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[dict, dict]:
     """Return (the config to give vLLM with method 'eagle', Falcon info to tag the draft config)."""
     sc = {k.replace("-", "_"): v for k, v in sc.items()}

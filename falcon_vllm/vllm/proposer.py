@@ -66,7 +66,7 @@ from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm import lookup, patches, tree_verify
 from falcon_vllm.vllm.lookup import LookupState
 from falcon_vllm.vllm.model import wrap_gemms
-from falcon_vllm.vllm.options import check_async_scheduling
+from falcon_vllm.vllm.options import check_async_scheduling, check_cudagraph_mode
 from falcon_vllm.vllm.paged_kv import tree_attention_scope
 from falcon_vllm.vllm.stash import BlockInputStash
 from falcon_vllm.vllm.tree_draft import DraftTreeAttention, TreeState
@@ -128,12 +128,8 @@ class FalconProposer(EagleProposer):
             lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
-            mode = vllm_config.compilation_config.cudagraph_mode
-            if mode is not None and mode.has_full_cudagraphs():
-                # a fully captured graph would replay the stock attention and skip the ancestor mask
-                raise ValueError("falcon-vllm: tree mode needs the target's attention outside CUDA graphs: run with "
-                                 "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager "
-                                 f"(cudagraph_mode is {mode.name})")
+            # the config hook chose PIECEWISE where unset; this catches a VllmConfig built without EngineArgs
+            check_cudagraph_mode(self.falcon, vllm_config.compilation_config.cudagraph_mode)
             self.tree_state = TreeState(self.tree, self.falcon.get("subtrees"))
         if self.uses_mrope:
             raise NotImplementedError("falcon-vllm: targets with M-RoPE positions are not supported")
