@@ -76,8 +76,7 @@ def _create_speculative_config(orig):
         from vllm.config import SpeculativeConfig
         from vllm.logger import init_logger
 
-        from falcon_vllm.vllm.options import (check_async_scheduling, check_cudagraph_mode, ragged_drafts,
-                                              resolve_falcon_config)
+        from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
 
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         if runner_env is not None and runner_env.strip().lower() in ("1", "true"):
