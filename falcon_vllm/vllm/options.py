@@ -211,12 +211,6 @@ def check_async_scheduling(falcon: dict, async_scheduling: bool | None) -> bool 
     return False
 
 
-FULL_GRAPHS_MESSAGE = ("falcon-vllm: tree mode needs the target's attention outside CUDA graphs (a fully captured "
-                       "graph would replay the stock attention and skip the ancestor mask): run with "
-                       "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager, or leave "
-                       "cudagraph_mode unset")
-
-
 def check_cudagraph_mode(falcon: dict, mode, enforce_eager: bool = False):
     """The ``cudagraph_mode`` the engine should run with.  Tree mode computes the target's attention in Python
     (the ancestor mask), which only piecewise CUDA graphs leave outside the captured graphs: left to vLLM
@@ -231,7 +225,10 @@ def check_cudagraph_mode(falcon: dict, mode, enforce_eager: bool = False):
     if isinstance(mode, str):
         mode = CUDAGraphMode[mode.upper()]
     if mode.has_full_cudagraphs():
-        raise ValueError(f"{FULL_GRAPHS_MESSAGE} (cudagraph_mode is {mode.name})")
+        raise ValueError("falcon-vllm: tree mode needs the target's attention outside CUDA graphs (a fully captured "
+                         "graph would replay the stock attention and skip the ancestor mask): leave cudagraph_mode "
+                         "unset, or run with --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or "
+                         f"--enforce-eager (cudagraph_mode is {mode.name})")
     return mode
 
 
