@@ -464,7 +464,8 @@ def test_tree_mode_takes_piecewise_cuda_graphs(dirs, monkeypatch):
     monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
 
     def hooked(spec, **kw):
-        ea = _engine_args(dirs, spec, enforce_eager=False, **kw)
+        kw.setdefault("enforce_eager", False)
+        ea = _engine_args(dirs, spec, **kw)
         ea.create_speculative_config(ea.create_model_config(), ParallelConfig())
         return ea
 
@@ -477,9 +478,8 @@ def test_tree_mode_takes_piecewise_cuda_graphs(dirs, monkeypatch):
         CUDAGraphMode.NONE
     with pytest.raises(ValueError, match="outside CUDA graphs.*FULL_AND_PIECEWISE"):
         hooked(tree, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
-    eager = _engine_args(dirs, tree)  # enforce_eager: vLLM captures nothing, the setting is left as given
-    eager.create_speculative_config(eager.create_model_config(), ParallelConfig())
-    assert eager.compilation_config.cudagraph_mode is None
+    # enforce_eager: vLLM captures nothing, the setting is left as given
+    assert hooked(tree, enforce_eager=True).compilation_config.cudagraph_mode is None
 
 
 def test_cpu_rms_norm_matches_vllm_native():

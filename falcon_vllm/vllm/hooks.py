@@ -133,10 +133,9 @@ def _cudagraph_mode(engine_args, info: dict):
 
     if not current_platform.support_static_graph_mode():
         return None
-    cc = getattr(engine_args, "compilation_config", None)
-    mode = getattr(cc, "cudagraph_mode", None)
+    mode = engine_args.compilation_config.cudagraph_mode  # EngineArgs.__post_init__ made it a CompilationConfig
     wanted = check_cudagraph_mode(info, mode, bool(getattr(engine_args, "enforce_eager", False)))
-    return wanted if cc is not None and mode is None and wanted is not None else None
+    return wanted if mode is None else None  # only a setting the user left to vLLM is chosen here
 
 
 # ---------------------------------------------------------------------- CLI
