@@ -1,4 +1,5 @@
-"""Greedy answers for ``falcon-vllm gen-data`` through an in-process vLLM engine (continuous batching)."""
+"""Answers for ``falcon-vllm gen-data`` (greedy) and ``gen-prompts`` (sampled) through an in-process vLLM
+engine (continuous batching)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ class VLLMGenerator:
         self.llm = LLM(model=str(target_dir), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
                        max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
 
-    def __call__(self, prompts, max_new_tokens):
+    def __call__(self, prompts, max_new_tokens, temperature: float = 0.0, seeds=None):
+        """Greedy continuations, or with ``temperature`` > 0 sampled ones, request i seeded by ``seeds[i]``
+        (so a sample does not depend on its batch)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        if temperature > 0:
+            params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=int(s)) for s in seeds]
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 

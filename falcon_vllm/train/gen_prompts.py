@@ -1,0 +1,193 @@
+"""``falcon-vllm gen-prompts``: questions written by the target itself, a prompt source without a limit.
+
+ShareGPT holds about 9k usable first prompts, and drafters of the EAGLE class train on 68k and more. An
+instruct model given its chat template up to the start of a user turn writes a user's question (the
+Magpie recipe, Xu et al. 2024): sampled at temperature 1, each seed gives another one. This command samples
+such questions from the target, keeps those that end with the end-of-turn token (not cut short), are long
+enough, are new and match no benchmark prompt, and writes them as ShareGPT-format JSON, which
+``falcon-vllm gen-data --data FILE`` then answers greedily and featurizes like ShareGPT's own prompts.
+
+Deterministic (attempt i is seeded ``seed + i``) and resumable: the file is rewritten after each chunk,
+and a rerun continues after the last attempt it holds.  Never downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from falcon_vllm.models import chat_ids
+
+BENCHMARKS = ("mt-bench", "humaneval", "gsm8k")
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens before a first user message's text (system prompt, role header): the
+    common prefix of two renderings that differ only in that text."""
+    a = chat_ids(tokenizer, [{"role": "user", "content": "Alpha"}])
+    b = chat_ids(tokenizer, [{"role": "user", "content": "Zulu"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    if n == 0:
+        raise ValueError("falcon-vllm: gen-prompts: the chat template renders no prefix before a user message")
+    return a[:n]
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def benchmark_texts() -> set[str]:
+    """Every turn of the installed benchmark sets, normalized (a question written here that equals one is
+    dropped, so nothing evaluated on is trained on)."""
+    from falcon_vllm.models import load_chat_prompts
+
+    out = set()
+    for name in BENCHMARKS:
+        try:
+            rows = load_chat_prompts(name)
+        except FileNotFoundError:
+            continue
+        out |= {normalize(t) for r in rows for t in r["turns"]}
+    return out
+
+
+def question(tokenizer, ids: list[int], eos_ids, min_tokens: int) -> str | None:
+    """The question a sample holds, or None: cut short (no end-of-turn token), too short, or holding other
+    special tokens (a second turn begun inside it)."""
+    if not ids or ids[-1] not in eos_ids:
+        return None
+    body = ids[:-1]
+    if len(body) < min_tokens or any(t in tokenizer.all_special_ids for t in body):
+        return None
+    text = tokenizer.decode(body).strip()
+    return text or None
+
+
+def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, temperature: float = 1.0,
+        seed: int = 0, min_tokens: int = 6, chunk: int = 512, backend: str = "vllm", model=None,
+        tokenizer=None) -> Path:
+    """Write ``num`` questions to ``out_path`` (ShareGPT JSON: ``[{"id", "conversations": [human, gpt]}]``, the
+    gpt turn empty: gen-data regenerates it).  Returns the path."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    if temperature <= 0:
+        raise ValueError("falcon-vllm: gen-prompts: --temperature must be > 0 (greedy sampling writes one question)")
+    if num < 1:
+        raise ValueError(f"falcon-vllm: gen-prompts: --num must be >= 1, got {num}")
+    tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    if not eos:
+        raise ValueError("falcon-vllm: gen-prompts: the tokenizer has no end-of-turn (EOS) token")
+    prefix = user_turn_prefix(tok)
+    banned = benchmark_texts()
+    out = Path(out_path)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    meta_path = out.with_suffix(out.suffix + ".meta.json")
+    meta = {"target": os.path.basename(str(target_dir).rstrip("/")), "max_tokens": max_tokens,
+            "temperature": temperature, "seed": seed, "min_tokens": min_tokens}
+    if rows:  # resume: the same settings, after the last attempt the file holds
+        old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        diff = [f"{k} {old.get(k)!r} (this run: {v!r})" for k, v in meta.items() if old.get(k) != v]
+        if diff:
+            raise ValueError(f"falcon-vllm: gen-prompts: {out_path} was written with other settings: "
+                             + ", ".join(diff) + "; use the same ones or a new output file")
+    attempt = max((int(r["id"].rsplit("-", 1)[1]) + 1 for r in rows), default=0)
+    seen = {normalize(r["conversations"][0]["value"]) for r in rows}
+    if backend == "vllm":
+        from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
+
+        generate = VLLMGenerator(target_dir, len(prefix) + max_tokens)
+    elif backend == "hf":
+        generate = hf_sampler(target_dir, model, tok)
+    else:
+        raise ValueError(f"falcon-vllm: gen-prompts: backend must be 'vllm' or 'hf', got {backend!r}")
+    bar = tqdm(total=num, initial=min(len(rows), num), desc=f"gen-prompts ({backend})", unit="question")
+    dropped = {"cut short or special": 0, "repeat": 0, "benchmark": 0}
+    t0 = time.time()
+    try:
+        while len(rows) < num:
+            n = max(1, min(chunk, 2 * (num - len(rows))))
+            seeds = [seed + attempt + i for i in range(n)]
+            samples = generate([prefix] * n, max_tokens, temperature=temperature, seeds=seeds)
+            for i, ids in zip(seeds, samples):
+                if len(rows) >= num:
+                    break
+                text = question(tok, list(ids), eos, min_tokens)
+                key = normalize(text) if text else None
+                reason = ("cut short or special" if key is None else "benchmark" if key in banned
+                          else "repeat" if key in seen else None)
+                if reason:
+                    dropped[reason] += 1
+                    continue
+                seen.add(key)
+                rows.append({"id": f"self-{i - seed}", "conversations": [{"from": "human", "value": text},
+                                                                        {"from": "gpt", "value": ""}]})
+                bar.update(1)
+            attempt += n
+            tmp = out.with_suffix(out.suffix + ".tmp")
+            tmp.write_text(json.dumps(rows, ensure_ascii=False, indent=0))
+            os.replace(tmp, out)
+            meta_path.write_text(json.dumps(meta, indent=1))
+            bar.set_postfix(attempts=attempt, q_per_s=f"{bar.n / max(time.time() - t0, 1e-9):.1f}")
+    finally:
+        bar.close()
+        if hasattr(generate, "close"):
+            generate.close()
+    print(f"falcon-vllm: gen-prompts: {len(rows)} questions after {attempt} attempts (dropped this run: "
+          + ", ".join(f"{v} {k}" for k, v in dropped.items()) + ")")
+    return out
+
+
+def hf_sampler(target_dir, model, tok):
+    """Sampled continuations with HF ``generate``, one request at a time (each with its own seed, so a sample
+    does not depend on its batch): for machines without vLLM; slow."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mdl = model or AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(prompts, max_new_tokens, temperature, seeds):
+        outs = []
+        for p, s in zip(prompts, seeds):
+            torch.manual_seed(int(s))
+            ids = torch.tensor([p])
+            o = mdl.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            gen = o[0, len(p):].tolist()
+            for j, t in enumerate(gen):  # cut after the first EOS
+                if t == tok.eos_token_id:
+                    gen = gen[:j + 1]
+                    break
+            outs.append(gen)
+        return outs
+
+    return generate
+
+
+def add_arguments(p):
+    p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output JSON file (ShareGPT format; resumable)")
+    p.add_argument("--num", type=int, default=1024, help="questions to write")
+    p.add_argument("--max-tokens", type=int, default=128, help="a longer question is dropped as cut short")
+    p.add_argument("--min-tokens", type=int, default=6, help="a shorter question is dropped")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="attempt i is sampled with seed SEED + i")
+    p.add_argument("--backend", choices=["vllm", "hf"], default="vllm",
+                   help="an in-process vLLM engine (continuous batching) or HF generate (slow)")
+
+
+def main(args):
+    from falcon_vllm.models import model_path
+
+    target = args.target or str(model_path())
+    out = run(target, args.out, args.num, args.max_tokens, args.temperature, args.seed, args.min_tokens,
+              backend=args.backend)
+    print(f"wrote {out}; answer it with `falcon-vllm gen-data --data {out} --num-conversations 0 --out DIR`")
+    return 0

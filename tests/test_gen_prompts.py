@@ -1,0 +1,79 @@
+"""``falcon-vllm gen-prompts``: the template prefix, the filters, determinism and resume (generator stubbed)."""
+
+import json
+
+import pytest
+
+from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
+from falcon_vllm.train import gen_prompts
+from falcon_vllm.train.gen_data import build_prompts, iter_sharegpt
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path())
+
+
+def test_user_turn_prefix_is_what_the_template_puts_before_a_question(tok):
+    prefix = gen_prompts.user_turn_prefix(tok)
+    for q in ("Hello there", "7 + 5?", "Write a poem."):
+        full = chat_ids(tok, [{"role": "user", "content": q}])
+        assert full[:len(prefix)] == prefix
+        assert tok.decode(full[len(prefix):]).startswith(q)
+    assert tok.decode(prefix).endswith("user\n")
+
+
+def test_benchmark_texts_hold_every_installed_benchmark_turn():
+    banned = gen_prompts.benchmark_texts()
+    q = load_chat_prompts("mt-bench", 1)[0]["turns"][0]
+    assert gen_prompts.normalize("  " + q.upper() + "\n") in banned
+
+
+def _fake_sampler(tok, texts):
+    """Sample of seed s: texts[s % len(texts)], closed by EOS unless it is None-marked as cut short."""
+    def sampler(target_dir, model, tokenizer):
+        def generate(prompts, max_new_tokens, temperature, seeds):
+            assert temperature == 1.0 and len(prompts) == len(seeds)
+            out = []
+            for s in seeds:
+                text, closed = texts[s % len(texts)]
+                ids = tok.encode(text, add_special_tokens=False)
+                out.append(ids + [tok.eos_token_id] if closed else ids)
+            return out
+        return generate
+    return sampler
+
+
+def test_filters_determinism_and_resume(tmp_path, tok, monkeypatch):
+    bench = load_chat_prompts("mt-bench", 1)[0]["turns"][0]
+    texts = [("How do I sort a list of dictionaries by a key in Python?", True),   # kept
+             ("Explain how tides work and why there are two a day", False),        # cut short
+             ("Hi?", True),                                                         # too short
+             (bench, True),                                                         # a benchmark question
+             ("How do I sort a list of dictionaries by a key in Python?", True),   # a repeat
+             ("Plan a three day trip to Kyoto for a family of four", True)]         # kept
+    # the two kept questions change with each round of six seeds, so new ones keep coming
+    texts = [(t + (f" #{i}" if i and j in (0, 5) else ""), c) for i in range(4) for j, (t, c) in enumerate(texts)]
+    monkeypatch.setattr(gen_prompts, "hf_sampler", _fake_sampler(tok, texts))
+    kw = dict(backend="hf", tokenizer=tok, chunk=5)
+    whole = gen_prompts.run("tiny", str(tmp_path / "whole.json"), 6, **kw)
+    rows = json.loads(whole.read_text())
+    got = [r["conversations"][0]["value"] for r in rows]
+    assert len(got) == 6 and len(set(got)) == 6
+    assert all("tides" not in q and q != "Hi?" and bench not in q for q in got)
+    assert got[:2] == [texts[0][0], texts[5][0]]
+    # the same run in two parts: the same file
+    part = tmp_path / "part.json"
+    gen_prompts.run("tiny", str(part), 3, **kw)
+    gen_prompts.run("tiny", str(part), 6, **kw)
+    assert json.loads(part.read_text()) == rows
+    # gen-data reads it as ShareGPT: every question becomes a prompt
+    convs = list(iter_sharegpt(str(whole)))
+    assert [c[0]["value"] for c in convs] == got
+    assert len(build_prompts(tok, convs, 384)) == 6
+    with pytest.raises(ValueError, match="other settings: temperature 1.0 \\(this run: 0.7\\)"):
+        gen_prompts.run("tiny", str(part), 8, temperature=0.7, **kw)
+    with pytest.raises(ValueError, match="--temperature must be > 0"):
+        gen_prompts.run("tiny", str(tmp_path / "g.json"), 2, temperature=0.0, **kw)
