@@ -130,7 +130,7 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
                 bar.update(1)
             attempt += n
             tmp = out.with_suffix(out.suffix + ".tmp")
-            tmp.write_text(json.dumps(rows, ensure_ascii=False, indent=0))
+            tmp.write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
             os.replace(tmp, out)
             meta_path.write_text(json.dumps(meta, indent=1))
             bar.set_postfix(attempts=attempt, q_per_s=f"{bar.n / max(time.time() - t0, 1e-9):.1f}")
