@@ -77,3 +77,18 @@ def test_filters_determinism_and_resume(tmp_path, tok, monkeypatch):
         gen_prompts.run("tiny", str(part), 8, temperature=0.7, **kw)
     with pytest.raises(ValueError, match="--temperature must be > 0"):
         gen_prompts.run("tiny", str(tmp_path / "g.json"), 2, temperature=0.0, **kw)
+
+
+def test_hf_sampler_samples_by_seed_and_stops_at_eos():
+    """The HF backend on a tiny target: a sample depends on its seed alone (not on its batch) and ends at its
+    first EOS; another seed gives another sample."""
+    from falcon_vllm.testing import tiny_llama
+
+    class Tok:
+        eos_token_id, pad_token_id = 4, 0
+
+    generate = gen_prompts.hf_sampler("tiny", tiny_llama(vocab=64, seed=3), Tok())
+    batch = generate([[1, 2, 3]] * 3, 12, temperature=1.0, seeds=[5, 6, 7])
+    assert generate([[1, 2, 3]], 12, temperature=1.0, seeds=[6]) == batch[1:2]
+    assert len({tuple(s) for s in batch}) == 3
+    assert all(4 not in s[:-1] and (s[-1] == 4 or len(s) == 12) for s in batch)

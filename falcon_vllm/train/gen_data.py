@@ -115,15 +115,15 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, pad_id: i
         att[i, L - len(p):] = 1
     out = model.generate(ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad_id)
-    gens = []
-    for i in range(len(prompts)):
-        gen = out[i, L:].tolist()
-        for j, t in enumerate(gen):  # cut after the first EOS
-            if t in eos_ids:
-                gen = gen[: j + 1]
-                break
-        gens.append(gen)
-    return gens
+    return [cut_after_eos(out[i, L:].tolist(), eos_ids) for i in range(len(prompts))]
+
+
+def cut_after_eos(gen: list[int], eos_ids) -> list[int]:
+    """``gen`` up to and including its first EOS (all of it when it has none)."""
+    for j, t in enumerate(gen):
+        if t in eos_ids:
+            return gen[:j + 1]
+    return gen
 
 
 def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:

@@ -149,6 +149,8 @@ def hf_sampler(target_dir, model, tok):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from falcon_vllm.train.gen_data import cut_after_eos
+
     mdl = model or AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
     @torch.inference_mode()
@@ -160,12 +162,7 @@ def hf_sampler(target_dir, model, tok):
             o = mdl.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-            gen = o[0, len(p):].tolist()
-            for j, t in enumerate(gen):  # cut after the first EOS
-                if t == tok.eos_token_id:
-                    gen = gen[:j + 1]
-                    break
-            outs.append(gen)
+            outs.append(cut_after_eos(o[0, len(p):].tolist(), {tok.eos_token_id}))
         return outs
 
     return generate
