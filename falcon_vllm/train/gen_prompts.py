@@ -61,7 +61,8 @@ def question(tokenizer, ids: list[int], eos_ids, min_tokens: int) -> str | None:
     if not ids or ids[-1] not in eos_ids:
         return None
     body = ids[:-1]
-    if len(body) < min_tokens or any(t in tokenizer.all_special_ids for t in body):
+    special = set(tokenizer.all_special_ids)  # a property that builds its list anew on each access
+    if len(body) < min_tokens or any(t in special for t in body):
         return None
     text = tokenizer.decode(body).strip()
     return text or None
@@ -80,9 +81,9 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
     if num < 1:
         raise ValueError(f"falcon-vllm: gen-prompts: --num must be >= 1, got {num}")
     tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    if not eos:
+    if tok.eos_token_id is None:
         raise ValueError("falcon-vllm: gen-prompts: the tokenizer has no end-of-turn (EOS) token")
+    eos = {tok.eos_token_id}
     prefix = user_turn_prefix(tok)
     banned = benchmark_texts()
     out = Path(out_path)
@@ -96,6 +97,7 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
         if diff:
             raise ValueError(f"falcon-vllm: gen-prompts: {out_path} was written with other settings: "
                              + ", ".join(diff) + "; use the same ones or a new output file")
+    meta_path.write_text(json.dumps(meta, indent=1))
     attempt = max((int(r["id"].rsplit("-", 1)[1]) + 1 for r in rows), default=0)
     seen = {normalize(r["conversations"][0]["value"]) for r in rows}
     if backend == "vllm":
@@ -132,7 +134,6 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
             tmp = out.with_suffix(out.suffix + ".tmp")
             tmp.write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
             os.replace(tmp, out)
-            meta_path.write_text(json.dumps(meta, indent=1))
             bar.set_postfix(attempts=attempt, q_per_s=f"{bar.n / max(time.time() - t0, 1e-9):.1f}")
     finally:
         bar.close()
