@@ -92,3 +92,31 @@ def test_hf_sampler_samples_by_seed_and_stops_at_eos():
     assert generate([[1, 2, 3]], 12, temperature=1.0, seeds=[6]) == batch[1:2]
     assert len({tuple(s) for s in batch}) == 3
     assert all(4 not in s[:-1] and (s[-1] == 4 or len(s) == 12) for s in batch)
+
+
+def test_leads_open_the_user_turns_in_turn(tmp_path, tok, monkeypatch):
+    """--leads: attempt i's user turn begins with the (i mod n)-th opening, the question holds it, a rerun with
+    other leads is refused, and a file without any is an error."""
+    prefix = gen_prompts.user_turn_prefix(tok)
+    leads = ["Write a Python function", "Solve this math problem:"]
+    lead_ids = [tok.encode(ln, add_special_tokens=False) for ln in leads]
+    asked = []
+
+    def sampler(target_dir, model, tokenizer):
+        def generate(prompts, max_new_tokens, temperature, seeds):
+            asked.extend(prompts)
+            return [tok.encode(f" number {s} that keeps going", add_special_tokens=False) + [tok.eos_token_id]
+                    for s in seeds]
+        return generate
+
+    monkeypatch.setattr(gen_prompts, "hf_sampler", sampler)
+    out = gen_prompts.run("tiny", str(tmp_path / "q.json"), 5, backend="hf", tokenizer=tok, chunk=2,
+                          leads=["", *leads, "  "])
+    got = [r["conversations"][0]["value"] for r in json.loads(out.read_text())]
+    assert asked == [prefix + lead_ids[i % 2] for i in range(len(asked))] and len(asked) >= 5
+    assert got == [f"{leads[i % 2]} number {i} that keeps going" for i in range(5)]
+    assert json.loads((tmp_path / "q.json.meta.json").read_text())["leads"] == leads
+    with pytest.raises(ValueError, match="other settings: leads"):
+        gen_prompts.run("tiny", str(tmp_path / "q.json"), 6, backend="hf", tokenizer=tok, leads=leads[:1])
+    with pytest.raises(ValueError, match="--leads holds no opening"):
+        gen_prompts.run("tiny", str(tmp_path / "e.json"), 2, backend="hf", tokenizer=tok, leads=[" ", ""])

@@ -7,6 +7,10 @@ such questions from the target, keeps those that end with the end-of-turn token 
 enough, are new and match no benchmark prompt, and writes them as ShareGPT-format JSON, which
 ``falcon-vllm gen-data --data FILE`` then answers greedily and featurizes like ShareGPT's own prompts.
 
+A small target writes mostly chat-style questions; ``--leads FILE`` (one opening per line, e.g. "Write a
+Python function", "Solve this math problem:") puts the openings' words at the start of the user turns, attempt
+i the (i mod n)-th, and the target writes the rest: questions of the kinds of task a user serves.
+
 Deterministic (attempt i is seeded ``seed + i``) and resumable: the file is rewritten after each chunk,
 and a rerun continues after the last attempt it holds.  Never downloads anything.
 """
@@ -70,9 +74,10 @@ def question(tokenizer, ids: list[int], eos_ids, min_tokens: int) -> str | None:
 
 def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, temperature: float = 1.0,
         seed: int = 0, min_tokens: int = 6, chunk: int = 512, backend: str = "vllm", model=None,
-        tokenizer=None) -> Path:
+        tokenizer=None, leads: list[str] | None = None) -> Path:
     """Write ``num`` questions to ``out_path`` (ShareGPT JSON: ``[{"id", "conversations": [human, gpt]}]``, the
-    gpt turn empty: gen-data regenerates it).  Returns the path."""
+    gpt turn empty: gen-data regenerates it).  ``leads``: openings of the user turns, attempt i begins with
+    ``leads[i % len(leads)]`` (the question holds it).  Returns the path."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -85,12 +90,19 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
         raise ValueError("falcon-vllm: gen-prompts: the tokenizer has no end-of-turn (EOS) token")
     eos = {tok.eos_token_id}
     prefix = user_turn_prefix(tok)
+    if leads is not None:
+        leads = [ln.strip() for ln in leads if ln.strip()]
+        if not leads:
+            raise ValueError("falcon-vllm: gen-prompts: --leads holds no opening (one per line)")
+    lead_ids = [tok.encode(ln, add_special_tokens=False) for ln in leads or [""]]
     banned = benchmark_texts()
     out = Path(out_path)
     rows = json.loads(out.read_text()) if out.exists() else []
     meta_path = out.with_suffix(out.suffix + ".meta.json")
     meta = {"target": os.path.basename(str(target_dir).rstrip("/")), "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "min_tokens": min_tokens}
+    if leads:
+        meta["leads"] = leads
     if rows:  # resume: the same settings, after the last attempt the file holds
         old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         diff = [f"{k} {old.get(k)!r} (this run: {v!r})" for k, v in meta.items() if old.get(k) != v]
@@ -103,7 +115,7 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
     if backend == "vllm":
         from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
 
-        generate = VLLMGenerator(target_dir, len(prefix) + max_tokens)
+        generate = VLLMGenerator(target_dir, len(prefix) + max(map(len, lead_ids)) + max_tokens)
     elif backend == "hf":
         generate = hf_sampler(target_dir, model, tok)
     else:
@@ -115,11 +127,12 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
         while len(rows) < num:
             n = max(1, min(chunk, 2 * (num - len(rows))))
             seeds = [seed + attempt + i for i in range(n)]
-            samples = generate([prefix] * n, max_tokens, temperature=temperature, seeds=seeds)
-            for i, ids in zip(seeds, samples):
+            heads = [lead_ids[(attempt + i) % len(lead_ids)] for i in range(n)]
+            samples = generate([prefix + h for h in heads], max_tokens, temperature=temperature, seeds=seeds)
+            for i, head, ids in zip(seeds, heads, samples):
                 if len(rows) >= num:
                     break
-                text = question(tok, list(ids), eos, min_tokens)
+                text = question(tok, head + list(ids), eos, min_tokens)
                 key = normalize(text) if text else None
                 reason = ("cut short or special" if key is None else "benchmark" if key in banned
                           else "repeat" if key in seen else None)
@@ -179,13 +192,17 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="attempt i is sampled with seed SEED + i")
     p.add_argument("--backend", choices=["vllm", "hf"], default="vllm",
                    help="an in-process vLLM engine (continuous batching) or HF generate (slow)")
+    p.add_argument("--leads", default=None,
+                   help="text file, one opening per line (e.g. 'Write a Python function'): attempt i's user turn "
+                        "begins with the (i mod n)-th and the target writes the rest")
 
 
 def main(args):
     from falcon_vllm.models import model_path
 
     target = args.target or str(model_path())
+    leads = Path(args.leads).read_text().splitlines() if args.leads else None
     out = run(target, args.out, args.num, args.max_tokens, args.temperature, args.seed, args.min_tokens,
-              backend=args.backend)
+              backend=args.backend, leads=leads)
     print(f"wrote {out}; answer it with `falcon-vllm gen-data --data {out} --num-conversations 0 --out DIR`")
     return 0
