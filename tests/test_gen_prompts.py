@@ -118,5 +118,7 @@ def test_leads_open_the_user_turns_in_turn(tmp_path, tok, monkeypatch):
     assert json.loads((tmp_path / "q.json.meta.json").read_text())["leads"] == leads
     with pytest.raises(ValueError, match="other settings: leads"):
         gen_prompts.run("tiny", str(tmp_path / "q.json"), 6, backend="hf", tokenizer=tok, leads=leads[:1])
+    with pytest.raises(ValueError, match="other settings: leads .* \\(this run: None\\)"):
+        gen_prompts.run("tiny", str(tmp_path / "q.json"), 6, backend="hf", tokenizer=tok)
     with pytest.raises(ValueError, match="--leads holds no opening"):
         gen_prompts.run("tiny", str(tmp_path / "e.json"), 2, backend="hf", tokenizer=tok, leads=[" ", ""])

@@ -105,7 +105,8 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
         meta["leads"] = leads
     if rows:  # resume: the same settings, after the last attempt the file holds
         old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        diff = [f"{k} {old.get(k)!r} (this run: {v!r})" for k, v in meta.items() if old.get(k) != v]
+        diff = [f"{k} {old.get(k)!r} (this run: {meta.get(k)!r})" for k in {**old, **meta}
+                if old.get(k) != meta.get(k)]  # both ways: a file written with leads, resumed without, too
         if diff:
             raise ValueError(f"falcon-vllm: gen-prompts: {out_path} was written with other settings: "
                              + ", ".join(diff) + "; use the same ones or a new output file")
