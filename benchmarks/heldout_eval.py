@@ -119,13 +119,20 @@ def main(argv=None) -> int:
 
     rows = []
     widths = [int(w) for w in a.best_trees.split(",") if w]
+    drafters = []  # every drafter and its tree first: a bad one stops the run before any evaluation
     for item in a.drafter:
         label, _, path = item.partition("=")
         if not path:
             raise SystemExit(f"heldout_eval: --drafter takes label=<dir>, got {item!r}")
         d = FalconDrafter.load(path, target.config)  # ours, or vLLM's EAGLE layout (the k=1 fc drafter it is)
-        d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
         tree = d.config.tree if a.tree == "own" else a.tree
+        if tree is None:
+            raise SystemExit(f"heldout_eval: --tree own: drafter {path} names no tree of its own (vLLM's EAGLE "
+                             "layout does not): evaluate it in a run with --tree <preset>, e.g. chain-2")
+        build_tree(tree, d.config.k)
+        drafters.append((label, path, d, tree))
+    for label, path, d, tree in drafters:
+        d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
         sets = sets_for(d.config.aux_layers)
         for name, samples in sets.items():
             with torch.no_grad():
