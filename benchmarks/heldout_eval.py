@@ -129,14 +129,13 @@ def main(argv=None) -> int:
         if tree is None:
             raise SystemExit(f"heldout_eval: --tree own: drafter {path} names no tree of its own (vLLM's EAGLE "
                              "layout does not): evaluate it in a run with --tree <preset>, e.g. chain-2")
-        build_tree(tree, d.config.k)
-        drafters.append((label, path, d, tree))
-    for label, path, d, tree in drafters:
+        drafters.append((label, path, d, tree, build_tree(tree, d.config.k)))
+    for label, path, d, tree, built in drafters:
         d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
         sets = sets_for(d.config.aux_layers)
         for name, samples in sets.items():
             with torch.no_grad():
-                r = evaluate(d, samples, build_tree(tree, d.config.k), d.config.k, 384, a.roots, widths,
+                r = evaluate(d, samples, built, d.config.k, 384, a.roots, widths,
                              context=a.context)
             row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
                    "block_order": d.config.block_order, "aux_layers": list(d.config.aux_layers), "dataset": name,

@@ -15,7 +15,7 @@ import heldout_eval  # noqa: E402
 
 def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monkeypatch):
     """--tree own with a drafter that names no tree (vLLM's EAGLE layout) is refused up front, not after the
-    drafters before it were scored (their results were lost with the crash); so is a tree too deep for a k."""
+    drafters before it were scored (their results were lost with the crash); so is an unknown tree."""
     t = tiny_llama(vocab=256, hidden=64, heads=2, kv_heads=1, seed=2)
     model = save_target(t, str(tmp_path / "tiny"))
     own = random_drafter(t, k=2)
@@ -30,6 +30,6 @@ def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monke
             "--datasets", "mt-bench", "--work", str(tmp_path / "w"), "--out-dir", str(tmp_path / "res")]
     with pytest.raises(SystemExit, match="names no tree"):
         heldout_eval.main(argv + ["--tree", "own"])
-    with pytest.raises(ValueError, match="tree"):
+    with pytest.raises(ValueError, match="unknown tree 'no-such-tree'"):
         heldout_eval.main(argv + ["--tree", "no-such-tree"])
     assert evaluated == [] and not (tmp_path / "res").exists()
