@@ -748,3 +748,47 @@ def test_level_weights(tmp_path, target, data):
         with pytest.raises(ValueError, match="level-weights"):
             train(TrainConfig(str(tmp_path / "x"), k=2, level_weights=bad), samples=data, target=target,
                   log=lambda *a: None)
+
+
+def test_init_target_layers_rescales_the_targets_last_layers(tmp_path, data):
+    """--init-target-layers starts the decoder layers as the target's last ones, re-expressed for the drafter's
+    input, the target's final-norm states f = g * h / rms(h): layer 0 (no input norm) projects f as the
+    target layer projects its normed input h, a later layer's input norm gives the target's up to one scalar,
+    and the residual writes are the target's scaled by g / r per channel; the fusion starts as the identity on
+    the features.  Refused with --init-from, another fusion, or more layers than the target has."""
+    t = tiny_llama(vocab=64, seed=3)
+    with torch.no_grad():  # norm weights other than ones, so every fold shows
+        for name, p in t.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.empty_like(p).uniform_(0.5, 2.0) * torch.where(torch.rand_like(p) < 0.2, -1.0, 1.0))
+    kw = dict(samples=data, target=t, log=lambda *a: None)
+    cfg = TrainConfig(str(tmp_path / "t"), k=2, fusion="fc", layers=2, block_order="reversed", epochs=1,
+                      batch_size=8, lr=0.0, draft_vocab=32, eval_every_epoch=False, eval_roots=12,
+                      init_target_layers=True)
+    train(cfg, **kw)
+    d = FalconDrafter.from_pretrained(str(tmp_path / "t"), t.config)
+    rec = d.config.extra["training"]["target_layers_init"]
+    assert rec["target_layers"] == [0, 1] and rec["residual_rms"] > 0
+    g = t.model.norm.weight
+    H = t.config.hidden_size
+    h = torch.randn(7, H) * 3
+    f = t.model.norm(h)
+    src = t.model.layers
+    with torch.no_grad():
+        for proj in ("q_proj", "k_proj", "v_proj"):  # layer 0: exact for an input f
+            want = getattr(src[0].self_attn, proj)(src[0].input_layernorm(h))
+            torch.testing.assert_close(getattr(d.layers[0].self_attn, proj)(f), want, rtol=1e-4, atol=1e-4)
+        got = d.layers[1].input_layernorm(f)  # = the target's normed h times c / rms(f)
+        scale = rec["feature_rms"] / f.pow(2).mean(-1, keepdim=True).sqrt()
+        torch.testing.assert_close(got, src[1].input_layernorm(h) * scale, rtol=1e-4, atol=1e-4)
+        for i in (0, 1):
+            for mod in ("self_attn.o_proj", "mlp.down_proj"):
+                w_src = src[i].get_submodule(mod).weight
+                w_dst = d.layers[i].get_submodule(mod).weight
+                torch.testing.assert_close(w_dst, w_src * (g / rec["residual_rms"])[:, None], rtol=1e-3, atol=1e-6)
+            assert torch.equal(d.layers[i].mlp.gate_proj.weight, src[i].mlp.gate_proj.weight)
+        assert torch.equal(d.fc.weight[:, H:], torch.eye(H))
+    for bad, what in ((dict(init_from=str(tmp_path / "t")), "exclude each other"),
+                      (dict(fusion="lstm"), "needs --fusion fc"), (dict(layers=3), "the target only 2")):
+        with pytest.raises(ValueError, match=what):
+            train(replace(cfg, out_dir=str(tmp_path / "x"), **bad), **kw)
