@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import time
 from dataclasses import asdict, replace
 
 import pytest
@@ -270,6 +271,41 @@ def test_cached_teacher_matches_full_teacher(target, data):
     s, c = data[0], crop_context(data[0], 2)
     assert int(c.loss_mask.sum()) == int(s.loss_mask.sum()) and int((~c.loss_mask).sum()) == 2
     assert torch.equal(c.features[-1], s.features[-1]) and c.teacher is None
+
+
+def test_teacher_cache_is_built_once_by_runs_side_by_side(tmp_path, target, data, monkeypatch):
+    """Two runs starting on the same data directory at once: one builds the teacher cache, the other waits on
+    its lock and loads what it wrote (both get the same cache); a later run only loads it."""
+    import threading
+
+    import falcon_vllm.train.trainer as trainer
+
+    built, started = [], threading.Event()
+    real = trainer.teacher_cache
+
+    def slow(*a, **kw):
+        built.append(1)
+        started.set()
+        time.sleep(0.5)  # the other run asks for the cache while this one builds it
+        return real(*a, **kw)
+
+    monkeypatch.setattr(trainer, "teacher_cache", slow)
+    out, logs = {}, []
+
+    def run(name):
+        out[name] = trainer.cached_teacher(str(tmp_path), data[:4], target.get_output_embeddings(), 8, logs.append)
+
+    first = threading.Thread(target=run, args=("a",))
+    first.start()
+    started.wait(10)
+    second = threading.Thread(target=run, args=("b",))
+    second.start()
+    first.join()
+    second.join()
+    assert len(built) == 1 and any("waiting for another run" in m for m in logs)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(out["a"], out["b"]) for n in x)
+    run("c")
+    assert len(built) == 1 and all(torch.equal(x["idx"], y["idx"]) for x, y in zip(out["a"], out["c"]))
 
 
 def test_glancing_with_observed_subset(data):

@@ -152,23 +152,33 @@ def with_teacher(data_dir, data, lm_head, topk: int, log=print) -> list:
 
 
 def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
-    """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused."""
-    cpath = None
-    if data_dir:  # next to the (first) data directory, named for the whole data set
-        import hashlib
+    """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused.
 
-        tag = hashlib.sha1(",".join(os.path.abspath(d) for d in data_dir.split(",") if d).encode()).hexdigest()[:8]
-        cpath = os.path.join(data_dir.split(",")[0], f"teacher_top{topk}_n{len(data)}_{tag}.pt")
-    if cpath and os.path.exists(cpath):
-        return torch.load(cpath, weights_only=False)
-    t0 = time.time()
-    cache = teacher_cache(data, lm_head, topk)
-    log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
-    if cpath:
+    Runs that start side by side on the same data build it once: the first holds a lock on
+    ``<cache>.lock`` while it builds, and the others wait for it and load what it wrote."""
+    if not data_dir:
+        return teacher_cache(data, lm_head, topk)
+    import fcntl
+    import hashlib
+
+    # next to the (first) data directory, named for the whole data set
+    tag = hashlib.sha1(",".join(os.path.abspath(d) for d in data_dir.split(",") if d).encode()).hexdigest()[:8]
+    cpath = os.path.join(data_dir.split(",")[0], f"teacher_top{topk}_n{len(data)}_{tag}.pt")
+    with open(f"{cpath}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"teacher cache: waiting for another run building {os.path.basename(cpath)}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(cpath):
+            return torch.load(cpath, weights_only=False)
+        t0 = time.time()
+        cache = teacher_cache(data, lm_head, topk)
+        log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
         tmp = f"{cpath}.{os.getpid()}.tmp"
         torch.save(cache, tmp)
         os.replace(tmp, cpath)
-    return cache
+        return cache
 
 
 def crop_context(sample: Sample, max_context: int) -> Sample:
