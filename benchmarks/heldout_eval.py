@@ -3,6 +3,9 @@
 
     python benchmarks/heldout_eval.py --drafter falcon=falcon_vllm/drafters/smollm2-135m-instruct \\
         --drafter eagle=falcon_vllm/drafters/smollm2-135m-instruct-eagle --tree chain-2 --name heldout_eval
+    # each on a tree of its own in one run: label:<tree>=<dir>
+    python benchmarks/heldout_eval.py --drafter falcon=falcon_vllm/drafters/smollm2-135m-instruct --tree own \
+        --drafter eagle:eagle-small=falcon_vllm/drafters/smollm2-135m-instruct-eagle --name heldout_eval_own
 
 The target answers the first turn of the first ``--num-prompts`` prompts of each dataset greedily
 (``falcon-vllm gen-data``: vLLM when installed, else transformers; cached in ``--work``, resumable),
@@ -66,7 +69,9 @@ def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: s
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", action="append", required=True, help="label=<drafter dir> (Falcon or vLLM EAGLE)")
+    p.add_argument("--drafter", action="append", required=True,
+                   help="label=<drafter dir> (Falcon or vLLM EAGLE); label:<tree>=<dir> scores that drafter on its "
+                        "own tree instead of --tree (e.g. Falcon and EAGLE, each on its tree, in one run)")
     p.add_argument("--datasets", default=",".join(DATASETS),
                    help="comma-separated: " + ", ".join(DATASETS) + ", mt-bench-turn2 (the second turns)")
     p.add_argument("--num-prompts", type=int, default=80)
@@ -121,14 +126,16 @@ def main(argv=None) -> int:
     widths = [int(w) for w in a.best_trees.split(",") if w]
     drafters = []  # every drafter and its tree first: a bad one stops the run before any evaluation
     for item in a.drafter:
-        label, _, path = item.partition("=")
-        if not path:
-            raise SystemExit(f"heldout_eval: --drafter takes label=<dir>, got {item!r}")
+        head, _, path = item.partition("=")
+        label, _, own_tree = head.partition(":")
+        if not path or not label:
+            raise SystemExit(f"heldout_eval: --drafter takes label=<dir> or label:<tree>=<dir>, got {item!r}")
         d = FalconDrafter.load(path, target.config)  # ours, or vLLM's EAGLE layout (the k=1 fc drafter it is)
-        tree = d.config.tree if a.tree == "own" else a.tree
+        tree = own_tree or (d.config.tree if a.tree == "own" else a.tree)
         if tree is None:
             raise SystemExit(f"heldout_eval: --tree own: drafter {path} names no tree of its own (vLLM's EAGLE "
-                             "layout does not): evaluate it in a run with --tree <preset>, e.g. chain-2")
+                             "layout does not): give it one (--drafter <label>:<tree>=<dir>, e.g. eagle:chain-2=...) or run with --tree "
+                             "<preset>")
         drafters.append((label, path, d, tree, build_tree(tree, d.config.k)))
     for label, path, d, tree, built in drafters:
         d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())

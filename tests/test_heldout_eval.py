@@ -33,3 +33,33 @@ def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monke
     with pytest.raises(ValueError, match="unknown tree 'no-such-tree'"):
         heldout_eval.main(argv + ["--tree", "no-such-tree"])
     assert evaluated == [] and not (tmp_path / "res").exists()
+
+
+def test_a_drafter_may_name_its_own_tree(tmp_path, monkeypatch):
+    """label:<tree>=<dir> scores that drafter on that tree, whatever --tree says (so a drafter without a tree of
+    its own runs beside --tree own); each row names the tree it was scored on."""
+    t = tiny_llama(vocab=256, hidden=64, heads=2, kv_heads=1, seed=2)
+    model = save_target(t, str(tmp_path / "tiny"))
+    own = random_drafter(t, k=2)
+    own.config.tree = "chain-2"
+    own.save_pretrained(str(tmp_path / "own"))
+    bare = random_drafter(t, k=1)
+    bare.config.tree = None
+    bare.save_pretrained(str(tmp_path / "bare"))
+    trees = []
+
+    def fake_evaluate(drafter, samples, tree, k, *a, **kw):
+        trees.append((k, len(tree.nodes)))
+        return {"top1_by_block_position": [0.0] * k, "sim_tau": 1.0, "sim_tau_se": 0.0}
+
+    monkeypatch.setattr(heldout_eval, "eval_set", lambda *a, **k: [])
+    import falcon_vllm.train.trainer as trainer
+    monkeypatch.setattr(trainer, "evaluate", fake_evaluate)
+    heldout_eval.main(["--model", model, "--drafter", f"a={tmp_path / 'own'}", "--drafter",
+                       f"b:tree-2x1={tmp_path / 'bare'}", "--tree", "own", "--datasets", "mt-bench", "--work",
+                       str(tmp_path / "w"), "--out-dir", str(tmp_path / "res"), "--name", "h"])
+    assert trees == [(2, 2), (1, 4)]   # chain-2 for a (its own), tree-2x1's 4 nodes for b
+    md = (tmp_path / "res" / "h.md").read_text()
+    assert "| a | chain-2 |" in md and "| b | tree-2x1 |" in md
+    with pytest.raises(SystemExit, match="label:<tree>=<dir>"):
+        heldout_eval.main(["--model", model, "--drafter", f"={tmp_path / 'own'}", "--datasets", "mt-bench"])
