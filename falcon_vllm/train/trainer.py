@@ -447,81 +447,6 @@ def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
     return record
 
 
-@torch.no_grad()
-def residual_rms(target, samples, n: int = 8, max_tokens: int = 256) -> float:
-    """Median per-token RMS of the target's last residual stream (the input of its final norm) over the first
-    ``n`` samples: the scale that the final norm divides out of the drafter's input features."""
-    norm = target.get_decoder().norm
-    seen = []
-    hook = norm.register_forward_pre_hook(lambda _m, a: seen.append(a[0].float().pow(2).mean(-1).sqrt().flatten()))
-    try:
-        dev = next(target.parameters()).device
-        for s in samples[:n]:
-            target.get_decoder()(input_ids=s.tokens[:max_tokens][None].to(dev))
-    finally:
-        hook.remove()
-    return float(torch.cat(seen).median())
-
-
-@torch.no_grad()
-def init_from_target_layers(drafter: FalconDrafter, target, samples) -> dict:
-    """Start the drafter's N decoder layers as the target's last N, re-expressed in the space the drafter's
-    residual stream lives in: the target's final-norm states f = g * h / rms(h), where the copied layers read
-    and write the un-normed stream h.  With r the typical rms(h) and c the typical rms(f):
-
-    - the input norms (``input_layernorm`` of layers >= 1, ``post_attention_layernorm``) get w * c / g, so they
-      give the target's normed input for f as they would for h;
-    - layer 0 has no input norm: its q/k/v projections take the input norm's weights w / g as input scales
-      (exact for an input f, whose f / g has rms 1);
-    - the residual writes (``o_proj``, ``down_proj``) are scaled by g / r per output channel: a change d of h
-      is a change g * d / r of f.
-
-    The fusion's feature half starts as the identity (the residual stream begins at f_j) and its token half
-    keeps its random initial weights.  The truncated head is left to ``init_draft_head``.  Returns the record
-    kept in the drafter's training record."""
-    dec = target.get_decoder()
-    n = drafter.config.num_layers
-    if n > len(dec.layers):
-        raise ValueError(f"falcon-vllm: train: --init-target-layers: the drafter has {n} decoder layers, the target "
-                         f"only {len(dec.layers)}")
-    src = list(dec.layers)[-n:]
-    if drafter.config.fusion != "fc":
-        raise ValueError("falcon-vllm: train: --init-target-layers needs --fusion fc (the fusion starts as the "
-                         "identity on the features)")
-    names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim")
-    tc = target.config
-    t_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    want = {"hidden_size": tc.hidden_size, "num_attention_heads": tc.num_attention_heads,
-            "num_key_value_heads": tc.num_key_value_heads, "intermediate_size": tc.intermediate_size,
-            "head_dim": t_head_dim}
-    diff = [f"{k} {getattr(drafter.config, k)} (target {want[k]})" for k in names if getattr(drafter.config, k) != want[k]]
-    if diff or drafter.config.aux_layers or getattr(tc, "attention_bias", False):
-        raise ValueError("falcon-vllm: train: --init-target-layers needs decoder layers shaped as the target's, "
-                         "without bias or aux layers: " + (", ".join(diff) or "aux layers or attention bias"))
-    g = dec.norm.weight.detach().float()
-    r = residual_rms(target, samples)
-    c = float(g.pow(2).mean().sqrt())  # rms(f) = rms(g * h / rms(h)) ~ rms(g)
-    H = drafter.config.hidden_size
-    drafter.fc.weight[:, H:].copy_(torch.eye(H))
-    for i, (dst, s) in enumerate(zip(drafter.layers, src)):
-        res = dst.load_state_dict({k: v for k, v in s.state_dict().items() if "rotary" not in k}, strict=False)
-        if res.missing_keys or set(res.unexpected_keys) - ({"input_layernorm.weight"} if i == 0 else set()):
-            raise ValueError(f"falcon-vllm: train: --init-target-layers: target layer {len(dec.layers) - n + i} does "
-                             f"not map onto a drafter layer (missing {res.missing_keys}, unexpected "
-                             f"{res.unexpected_keys})")
-        w_in = s.input_layernorm.weight.float()
-        if i == 0:
-            for p in (dst.self_attn.q_proj, dst.self_attn.k_proj, dst.self_attn.v_proj):
-                p.weight.mul_((w_in / g)[None])
-        else:
-            dst.input_layernorm.weight.copy_(w_in * c / g)
-        dst.post_attention_layernorm.weight.copy_(s.post_attention_layernorm.weight.float() * c / g)
-        dst.self_attn.o_proj.weight.mul_((g / r)[:, None])
-        dst.mlp.down_proj.weight.mul_((g / r)[:, None])
-    total = len(dec.layers)
-    return {"target_layers": list(range(total - n, total)), "residual_rms": round(r, 3), "feature_rms": round(c, 3)}
-
-
 def to_device(batch: dict, device) -> dict:
     return {n: v.to(device, non_blocking=True) for n, v in batch.items()}
 
@@ -668,7 +593,6 @@ class TrainConfig:
     second_pass: float = 0.0              # weight of the loss on a second pass fed the first's predicted features
     aux_layers: tuple[int, ...] = ()      # also read these target layers' states (the data's gen-data --aux-layers)
     level_weights: tuple[float, ...] = () # loss weight per block level (k of them; level 1 first); () = all 1
-    init_target_layers: bool = False      # start the decoder layers as the target's last ones (rescaled)
 
     def record(self) -> dict:
         """The fields without the machine's paths (the training record ships with the drafter)."""
@@ -805,18 +729,12 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
                                     level_embedding=cfg.level_embedding, aux_layers=tuple(cfg.aux_layers))
     drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
-    init_record = target_init = None
-    if cfg.init_from and cfg.init_target_layers:
-        raise ValueError("falcon-vllm: train: --init-from and --init-target-layers exclude each other")
+    init_record = None
     if cfg.init_from:  # continue a trained drafter (its head and d2t map included) with a fresh schedule
         init_record = init_weights(drafter, cfg.init_from, target.config)
     elif dcfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
         drafter.init_draft_head(frequent_tokens(train_set, dcfg.draft_vocab_size, dcfg.vocab_size),
                                 target.get_output_embeddings().weight)
-    if cfg.init_target_layers:
-        target_init = init_from_target_layers(drafter, target, train_set)
-        log(f"decoder layers from the target's layers {target_init['target_layers']} (residual rms "
-            f"{target_init['residual_rms']}, feature rms {target_init['feature_rms']})")
     for p in target.parameters():
         p.requires_grad_(False)
     if dcfg.draft_vocab_size and not cfg.train_draft_head:  # keep the target's rows
@@ -899,8 +817,6 @@ def _train(cfg: TrainConfig, samples: list[Sample] | None, target, log) -> dict:
                                "heldout": final}}
     if init_record is not None:  # the run it continued (its own record, chained)
         dcfg.extra["training"]["init_from"] = init_record
-    if target_init is not None:
-        dcfg.extra["training"]["target_layers_init"] = target_init
     drafter.eval()
     save_dtype = getattr(torch, cfg.save_dtype) if cfg.save_dtype else None
     drafter.save_pretrained(cfg.out_dir, dtype=save_dtype)
@@ -1111,10 +1027,6 @@ def add_arguments(p):
                         "optimiser and schedule: e.g. to train a shipped drafter further). With more --layers than "
                         "it has, the extra layers start as the identity (zero output projections); an EAGLE-1 "
                         "drafter (k=1) may seed a Falcon drafter of any --k and --block-order")
-    p.add_argument("--init-target-layers", action="store_true",
-                   help="start the decoder layers as the target's last --layers layers, rescaled to the drafter's "
-                        "input features (the target's final-norm states), and the fusion as the identity on the "
-                        "features; needs --fusion fc and layers shaped as the target's")
     p.add_argument("--eval-roots", type=int, default=240, help="held-out tree roots for the final simulated tau")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank its LOCAL_RANK GPU)")
@@ -1148,8 +1060,7 @@ def main(args):
                       level_embedding=args.level_embedding,
                       block_phase=args.block_phase, init_from=args.init_from, w_dist=args.token_weight,
                       aux_layers=layer_list(args.aux_layers), second_pass=args.second_pass,
-                      level_weights=tuple(float(x) for x in args.level_weights.split(",") if x.strip()),
-                      init_target_layers=args.init_target_layers)
+                      level_weights=tuple(float(x) for x in args.level_weights.split(",") if x.strip()))
     res = train(cfg)
     if res["final"] is None:  # not rank 0
         return 0
