@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import heldout_eval  # noqa: E402
 
 
-def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monkeypatch):
-    """--tree own with a drafter that names no tree (vLLM's EAGLE layout) is refused up front, not after the
-    drafters before it were scored (their results were lost with the crash); so is an unknown tree."""
+def _target_and_drafters(tmp_path) -> str:
+    """A tiny target (its directory returned) and two drafters: ``own`` (k=2, its tree chain-2) and ``bare``
+    (k=1, no tree of its own, as vLLM's EAGLE layout)."""
     t = tiny_llama(vocab=256, hidden=64, heads=2, kv_heads=1, seed=2)
     model = save_target(t, str(tmp_path / "tiny"))
     own = random_drafter(t, k=2)
@@ -24,6 +24,13 @@ def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monke
     bare = random_drafter(t, k=1)
     bare.config.tree = None
     bare.save_pretrained(str(tmp_path / "bare"))
+    return model
+
+
+def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monkeypatch):
+    """--tree own with a drafter that names no tree (vLLM's EAGLE layout) is refused up front, not after the
+    drafters before it were scored (their results were lost with the crash); so is an unknown tree."""
+    model = _target_and_drafters(tmp_path)
     evaluated = []
     monkeypatch.setattr(heldout_eval, "eval_set", lambda *a, **k: evaluated.append(a) or [])
     argv = ["--model", model, "--drafter", f"a={tmp_path / 'own'}", "--drafter", f"b={tmp_path / 'bare'}",
@@ -38,14 +45,7 @@ def test_a_drafter_without_a_tree_stops_the_run_before_it_starts(tmp_path, monke
 def test_a_drafter_may_name_its_own_tree(tmp_path, monkeypatch):
     """label:<tree>=<dir> scores that drafter on that tree, whatever --tree says (so a drafter without a tree of
     its own runs beside --tree own); each row names the tree it was scored on."""
-    t = tiny_llama(vocab=256, hidden=64, heads=2, kv_heads=1, seed=2)
-    model = save_target(t, str(tmp_path / "tiny"))
-    own = random_drafter(t, k=2)
-    own.config.tree = "chain-2"
-    own.save_pretrained(str(tmp_path / "own"))
-    bare = random_drafter(t, k=1)
-    bare.config.tree = None
-    bare.save_pretrained(str(tmp_path / "bare"))
+    model = _target_and_drafters(tmp_path)
     trees = []
 
     def fake_evaluate(drafter, samples, tree, k, *a, **kw):
