@@ -134,8 +134,8 @@ def main(argv=None) -> int:
         tree = own_tree or (d.config.tree if a.tree == "own" else a.tree)
         if tree is None:
             raise SystemExit(f"heldout_eval: --tree own: drafter {path} names no tree of its own (vLLM's EAGLE "
-                             "layout does not): give it one (--drafter <label>:<tree>=<dir>, e.g. eagle:chain-2=...) or run with --tree "
-                             "<preset>")
+                             "layout does not): give it one (--drafter <label>:<tree>=<dir>, e.g. "
+                             "eagle:chain-2=<dir>) or run with --tree <preset>")
         drafters.append((label, path, d, tree, build_tree(tree, d.config.k)))
     for label, path, d, tree, built in drafters:
         d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())

@@ -164,6 +164,8 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
     # next to the (first) data directory, named for the whole data set
     tag = hashlib.sha1(",".join(os.path.abspath(d) for d in data_dir.split(",") if d).encode()).hexdigest()[:8]
     cpath = os.path.join(data_dir.split(",")[0], f"teacher_top{topk}_n{len(data)}_{tag}.pt")
+    if os.path.exists(cpath):  # written whole (a rename), so no lock to read it: a read-only data set loads too
+        return torch.load(cpath, weights_only=False)
     with open(f"{cpath}.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
