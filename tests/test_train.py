@@ -621,6 +621,44 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     assert (store.tokens < 0).sum() == 7680 and (store.min_n, store.max_n) == (3, 4)
 
 
+def test_recipe_variant_flags(tmp_path, monkeypatch):
+    """--recipe with --glance / --block-phase runs a variant: every Falcon stage takes them, the EAGLE stages keep
+    the recipe's, and --no-install leaves the source tree alone; any other training flag given with --recipe (the
+    recipe would ignore it) is refused, as is an override the recipe does not take."""
+    import argparse
+
+    from falcon_vllm import models
+    from falcon_vllm.train import gen_data, trainer
+
+    p = argparse.ArgumentParser()
+    trainer.add_arguments(p)
+    assert trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--threads", "2"])) == {}
+    args = p.parse_args(["--recipe", "smollm2", "--glance", "none", "--block-phase", "random", "--no-install"])
+    over = trainer.recipe_overrides(args)
+    assert over == {"glance": "none", "block_phase": "random"}
+    with pytest.raises(SystemExit, match="given too: --max-conversations$"):
+        trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--lr", "1e-3", "--max-conversations", "10"]))
+    # through the command line every option given counts, its default value (--lr 1e-3) too
+    with pytest.raises(SystemExit, match="given too: --lr, --max-conversations$"):
+        trainer.cli(["--recipe", "smollm2", "--glance", "none", "--lr", "1e-3", "--max-conversations", "10"])
+    with pytest.raises(SystemExit, match="--no-install applies to --recipe only"):
+        trainer.cli(["--data", "d", "--out", "o", "--no-install"])
+
+    seen, installed = [], []
+    monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")
+    monkeypatch.setattr(gen_data, "run", lambda *a, **k: None)
+    monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
+    monkeypatch.setattr(trainer, "install_drafter", lambda *a, **k: installed.append(a))
+    (tmp_path / "w").mkdir()
+    with pytest.raises(ValueError, match="not \\['lr'\\]"):
+        trainer.run_recipe("smollm2", str(tmp_path / "w"), falcon_overrides={"lr": 1.0}, log=lambda *a: None)
+    out = trainer.run_recipe("smollm2", str(tmp_path / "w"), install=not args.no_install, falcon_overrides=over,
+                             log=lambda *a: None)
+    assert [(c.mode, c.glance, c.block_phase) for c in seen] == [("falcon", "none", "random")] * 5 + [
+        ("eagle", "uniform", "fixed")] * 5
+    assert installed == [] and "installed" not in out and out["falcon_overrides"] == over
+
+
 def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
     """gen-data --aux-layers stores the states entering those target layers; a drafter with aux layers starts
     as the one without (zero projection), also reads H-wide (predicted) features, refuses other widths and

@@ -904,15 +904,25 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         json.dump(cfg, f, indent=2)
 
 
-def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", log=print) -> dict:
+# the flags a recipe run takes from the command line for its Falcon stages (a variant of the recipe to compare)
+RECIPE_FALCON_FLAGS = ("glance", "block_phase")
+
+
+def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", log=print,
+               falcon_overrides: dict | None = None) -> dict:
     """gen-data + Falcon (CSGD) + EAGLE baseline for a known target; installs into falcon_vllm/drafters.
-    Every step resumes where it stopped (gen-data by shard, training by epoch)."""
+    Every step resumes where it stopped (gen-data by shard, training by epoch).  ``falcon_overrides``: TrainConfig
+    fields (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's."""
     import importlib.util
 
     from falcon_vllm.models import model_path
     from falcon_vllm.train import gen_data
 
     r = RECIPES[name]
+    falcon_overrides = dict(falcon_overrides or {})
+    if set(falcon_overrides) - set(RECIPE_FALCON_FLAGS):
+        raise ValueError(f"falcon-vllm: train --recipe: only {', '.join(RECIPE_FALCON_FLAGS)} can be changed for the "
+                         f"Falcon stages, not {sorted(set(falcon_overrides) - set(RECIPE_FALCON_FLAGS))}")
     target_dir = str(model_path())
     data = os.path.join(work, "data")
     backend = r["backend"]
@@ -939,7 +949,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
 
     fal = staged(os.path.join(work, "falcon"), k=r["k"], fusion=r["fusion"], tree=r["tree"],
                  layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
-                 **{**common, "epochs": r.get("falcon_epochs", r["epochs"])})
+                 **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}, **falcon_overrides)
     eag = staged(os.path.join(work, "eagle"), mode="eagle", tree=r["eagle_tree"], **common)
     # the target's answers the drafter trained on, for serving's retrieval drafts (falcon_vllm.datastore)
     if not os.path.exists(answers):
@@ -950,7 +960,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     os.makedirs(fal["out"], exist_ok=True)
     from_answers_file(answers, r["num_conversations"])[0].save(os.path.join(fal["out"], "datastore.npz"))
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
-           "eagle": eag["final"],
+           "eagle": eag["final"], "falcon_overrides": falcon_overrides,
            "total_seconds": round(time.time() - t0, 1)}
     if install:
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
@@ -968,6 +978,9 @@ def add_arguments(p):
                    help="run a whole known recipe (gen-data, Falcon drafter, EAGLE baseline) into --work and "
                         "install the drafters into falcon_vllm/drafters/; resumable")
     p.add_argument("--work", default=".cache/drafter-run", help="working directory of --recipe")
+    p.add_argument("--no-install", action="store_true",
+                   help="with --recipe: leave the trained drafters in --work instead of installing them into "
+                        "falcon_vllm/drafters/ (e.g. a variant of the recipe: --recipe smollm2 --glance none)")
     p.add_argument("--data", default=None, help="gen-data output directory")
     p.add_argument("--out", default=None, help="output drafter directory (checkpoint.pt for resume)")
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
@@ -1039,14 +1052,63 @@ def add_arguments(p):
                    help="dtype of the stored weights (bf16 keeps a 1-layer drafter small enough for git)")
 
 
+def given_flags(argv: list[str]) -> set[str]:
+    """The options ``argv`` gives (their dests), whatever their values: a parser of these arguments without defaults."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def cli(argv: list[str]) -> int:
+    """``falcon-vllm train``: parse, note which options were given (``recipe_overrides`` needs it), run."""
+    import argparse
+
+    from falcon_vllm.cli import COMMANDS
+
+    p = argparse.ArgumentParser(prog="falcon-vllm train", description=COMMANDS["train"][1])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.given = given_flags(argv)
+    return main(args)
+
+
+def recipe_overrides(args) -> dict:
+    """The Falcon-stage flags (RECIPE_FALCON_FLAGS) given with --recipe; any other training flag given there would
+    be ignored by the recipe's own settings, so it is refused.  ``args.given``: the options given (``cli``); without
+    it, those whose value differs from the default."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    kept = {"recipe", "work", "no_install", "device", "threads"}
+    given = getattr(args, "given", None)
+    given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept
+             and (k in given if given is not None else v != defaults[k])}
+    ignored = sorted(k for k in given if k not in RECIPE_FALCON_FLAGS)
+    if ignored:
+        raise SystemExit("falcon-vllm: train: --recipe runs the recipe's own settings; it takes --work, --device, "
+                         "--threads, --no-install and, for its Falcon stages, "
+                         + ", ".join("--" + f.replace("_", "-") for f in RECIPE_FALCON_FLAGS)
+                         + "; given too: " + ", ".join("--" + k.replace("_", "-") for k in ignored))
+    return {k: v for k, v in given.items() if k in RECIPE_FALCON_FLAGS}
+
+
 def main(args):
     from falcon_vllm.models import model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.recipe:
-        print(json.dumps(run_recipe(args.recipe, args.work, device=args.device), indent=1))
+        print(json.dumps(run_recipe(args.recipe, args.work, install=not args.no_install, device=args.device,
+                                    falcon_overrides=recipe_overrides(args)), indent=1))
         return 0
+    if args.no_install:
+        raise SystemExit("falcon-vllm: train: --no-install applies to --recipe only")
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
     cfg = TrainConfig(args.out, data_dir=args.data, extra_data_dir=args.extra_data,
