@@ -41,7 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.cli(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog=f"falcon-vllm {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
-    return int(module.main(parser.parse_args(argv[1:])) or 0)
+    args = parser.parse_args(argv[1:])
+    args.given = given_options(module.add_arguments, argv[1:])
+    return int(module.main(args) or 0)
+
+
+def given_options(add_arguments, argv: list[str]) -> set[str]:
+    """The dests of the options ``argv`` gives, whatever their values (a value equal to the default counts): the
+    same arguments parsed without defaults.  A command's ``main`` reads it as ``args.given``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

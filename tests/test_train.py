@@ -639,10 +639,12 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="given too: --max-conversations$"):
         trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--lr", "1e-3", "--max-conversations", "10"]))
     # through the command line every option given counts, its default value (--lr 1e-3) too
+    from falcon_vllm.cli import main as cli_main
+
     with pytest.raises(SystemExit, match="given too: --lr, --max-conversations$"):
-        trainer.cli(["--recipe", "smollm2", "--glance", "none", "--lr", "1e-3", "--max-conversations", "10"])
+        cli_main(["train", "--recipe", "smollm2", "--glance", "none", "--lr", "1e-3", "--max-conversations", "10"])
     with pytest.raises(SystemExit, match="--no-install applies to --recipe only"):
-        trainer.cli(["--data", "d", "--out", "o", "--no-install"])
+        cli_main(["train", "--data", "d", "--out", "o", "--no-install"])
 
     seen, installed = [], []
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")

@@ -920,9 +920,9 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
 
     r = RECIPES[name]
     falcon_overrides = dict(falcon_overrides or {})
-    if set(falcon_overrides) - set(RECIPE_FALCON_FLAGS):
+    if unknown := sorted(set(falcon_overrides) - set(RECIPE_FALCON_FLAGS)):
         raise ValueError(f"falcon-vllm: train --recipe: only {', '.join(RECIPE_FALCON_FLAGS)} can be changed for the "
-                         f"Falcon stages, not {sorted(set(falcon_overrides) - set(RECIPE_FALCON_FLAGS))}")
+                         f"Falcon stages, not {unknown}")
     target_dir = str(model_path())
     data = os.path.join(work, "data")
     backend = r["backend"]
@@ -1052,49 +1052,26 @@ def add_arguments(p):
                    help="dtype of the stored weights (bf16 keeps a 1-layer drafter small enough for git)")
 
 
-def given_flags(argv: list[str]) -> set[str]:
-    """The options ``argv`` gives (their dests), whatever their values: a parser of these arguments without defaults."""
-    import argparse
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    for action in p._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(p.parse_args(argv)))
-
-
-def cli(argv: list[str]) -> int:
-    """``falcon-vllm train``: parse, note which options were given (``recipe_overrides`` needs it), run."""
-    import argparse
-
-    from falcon_vllm.cli import COMMANDS
-
-    p = argparse.ArgumentParser(prog="falcon-vllm train", description=COMMANDS["train"][1])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    args.given = given_flags(argv)
-    return main(args)
-
-
 def recipe_overrides(args) -> dict:
     """The Falcon-stage flags (RECIPE_FALCON_FLAGS) given with --recipe; any other training flag given there would
-    be ignored by the recipe's own settings, so it is refused.  ``args.given``: the options given (``cli``); without
-    it, those whose value differs from the default."""
+    be ignored by the recipe's own settings, so it is refused.  ``args.given``: the options given (``falcon-vllm
+    train`` sets it: falcon_vllm.cli.given_options); without it, those whose value differs from the default."""
     import argparse
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     defaults = vars(p.parse_args([]))
-    kept = {"recipe", "work", "no_install", "device", "threads"}
+    kept = ("work", "device", "threads", "no_install")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
     given = getattr(args, "given", None)
-    given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept
+    given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept and k != "recipe"
              and (k in given if given is not None else v != defaults[k])}
     ignored = sorted(k for k in given if k not in RECIPE_FALCON_FLAGS)
     if ignored:
-        raise SystemExit("falcon-vllm: train: --recipe runs the recipe's own settings; it takes --work, --device, "
-                         "--threads, --no-install and, for its Falcon stages, "
-                         + ", ".join("--" + f.replace("_", "-") for f in RECIPE_FALCON_FLAGS)
-                         + "; given too: " + ", ".join("--" + k.replace("_", "-") for k in ignored))
+        def flags(names):
+            return ", ".join("--" + n.replace("_", "-") for n in names)
+
+        raise SystemExit(f"falcon-vllm: train: --recipe runs the recipe's own settings; it takes {flags(kept)} and, "
+                         f"for its Falcon stages, {flags(RECIPE_FALCON_FLAGS)}; given too: {flags(ignored)}")
     return {k: v for k, v in given.items() if k in RECIPE_FALCON_FLAGS}
 
 
