@@ -69,9 +69,35 @@ def test_draft_gemm_dtype_reaches_the_drafter_config(dirs, monkeypatch):
 
     assert gemm_dtype("model", torch.float32) is None and gemm_dtype("auto", torch.bfloat16) is None
     assert gemm_dtype("bfloat16", torch.float32) == torch.bfloat16  # (CPU platform here)
-    assert gemm_dtype("auto", torch.float32) == (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None)
+    assert gemm_dtype("int8", torch.float32) == gemm_dtype("int8", torch.bfloat16) == torch.int8
+    auto = (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else
+            torch.int8 if torch.cpu._is_vnni_supported() else None)
+    assert gemm_dtype("auto", torch.float32) == auto
     with pytest.raises(ValueError, match="must be one of"):
         gemm_dtype("fp8", torch.float32)
+
+
+def test_int8_linear_against_fp32():
+    """draft_gemm_dtype int8's matmul (per-channel int8 weights, per-row int8 inputs, oneDNN) against x @ w.T + b
+    in fp32, for 1, 3 and 7 rows and a 3-d input; an input row of zeros stays zeros (plus the bias)."""
+    import torch
+
+    from falcon_vllm.vllm.model import int8_linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64) * 0.05, torch.randn(96)
+    lin = int8_linear(w, b)
+    for shape in ((1, 64), (3, 64), (7, 64), (2, 3, 64)):
+        x = torch.randn(shape)
+        x.view(-1, 64)[0] = 0
+        out, ref = lin(x), x @ w.t() + b
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert (out - ref).norm() / ref.norm() < 0.02, shape
+        torch.testing.assert_close(out.view(-1, 96)[0], b)
+    w0 = w.clone()
+    ident = int8_linear(w, None)(torch.eye(64))  # each row of the identity picks a column of w: its int8 copy
+    assert torch.equal(w, w0)  # the weight itself is left as it was
+    assert (ident - w.t()).abs().max() <= w.abs().amax() / 127 / 2 + 1e-6
 
 
 def test_default_tokens_and_chain_tree(dirs):
@@ -107,7 +133,7 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{good}", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "falcon", "model": "{good}", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
-    ({"method": "falcon", "model": "{good}", "draft_gemm_dtype": "int8"}, "draft_gemm_dtype must be one of"),
+    ({"method": "falcon", "model": "{good}", "draft_gemm_dtype": "fp8"}, "draft_gemm_dtype must be one of"),
     ({"method": "falcon", "model": "{good}", "tree": "tree-2x2x1", "draft_sample_method": "probabilistic"},
      "draft_sample_method='probabilistic' runs in chain mode"),
 ])

@@ -102,10 +102,11 @@ def test_demo_command(capsys):
     assert 1.0 <= tau <= 5.0
 
 
-@pytest.mark.parametrize("gemm", ["bfloat16", "model"])
+@pytest.mark.parametrize("gemm", ["bfloat16", "int8", "model"])
 def test_drafter_gemm_dtype_keeps_outputs(prompts, vanilla, gemm):
-    """draft_gemm_dtype: the drafter's own matmuls (layers, fc, truncated head) in bf16 or in the model's
-    dtype; the shared embedding and every activation stay fp32, and the outputs stay vanilla's."""
+    """draft_gemm_dtype: the drafter's own matmuls (layers, fc, truncated head) in bf16, in int8 (oneDNN W8A8,
+    the fp32 weights dropped) or in the model's dtype; the shared embedding and every activation stay fp32,
+    and the outputs stay vanilla's."""
     import torch
 
     llm = make_llm(model_path(), {"method": "falcon", "num_speculative_tokens": 2, "draft_gemm_dtype": gemm},
@@ -114,13 +115,14 @@ def test_drafter_gemm_dtype_keeps_outputs(prompts, vanilla, gemm):
         model = drafter_of(llm).model
         while hasattr(model, "unwrap"):
             model = model.unwrap()
-        want = torch.bfloat16 if gemm == "bfloat16" else torch.float32
+        want = {"bfloat16": torch.bfloat16}.get(gemm, torch.float32)
         gemms = {name: m for name, m in model.named_modules()
                  if hasattr(m, "cpu_linear") and not name.endswith("embed_tokens")}  # the embedding is the target's
         assert {"lm_head", "model.fc"} <= set(gemms) and any(n.endswith("qkv_proj") for n in gemms)
         for name, m in gemms.items():
             assert m.weight.dtype == want, name
-            assert getattr(m, "falcon_gemm_wrapped", False) == (gemm == "bfloat16"), name
+            assert m.weight.numel() == 0 or gemm != "int8", name  # int8: only oneDNN's packed copy is left
+            assert getattr(m, "falcon_gemm_wrapped", False) == (gemm != "model"), name
         assert model.model.embed_tokens.weight.dtype == torch.float32
         # the drafter's RMSNorms run vLLM's C++ CPU kernels (model.CpuRMSNorm), with the checkpoint's weights
         norms = {n: m for n, m in model.named_modules()  # layer 0 has no input norm (EAGLE's layout)

@@ -44,33 +44,70 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     settings for vLLM's EAGLE proposer running :class:`EagleD2TLlamaForCausalLM`).
 
     ``auto``: bfloat16 on a CPU with bf16 matmul units (AVX512-BF16 or AMX) serving an fp32 model, whose
-    drafter then reads half the weight bytes per pass; the model's dtype otherwise.  Activations between the
-    matmuls, the KV cache and the outputs keep the model's dtype; drafts change slightly, verification not at
-    all, so outputs stay exactly vanilla's."""
+    drafter then reads half the weight bytes per pass; int8 on one without them but with int8 dot-product
+    units (VNNI); the model's dtype otherwise.  ``int8`` (CPU only): int8 weights with a scale per output
+    channel, inputs quantized per row as they come (vLLM's oneDNN W8A8 kernels), a quarter of fp32's weight
+    bytes.  Activations between the matmuls, the KV cache and the outputs
+    keep the model's dtype; drafts change slightly, verification not at all, so outputs stay exactly
+    vanilla's."""
     check_gemm_dtype(choice, f"draft_gemm_dtype (or ${GEMM_DTYPE_ENV})")
-    if choice == "model" or model_dtype == torch.bfloat16:
+    if choice == "model" or (choice != "int8" and model_dtype == torch.bfloat16):
         return None
     if not current_platform.is_cpu():
-        if choice == "bfloat16":
-            raise ValueError("falcon-vllm: draft_gemm_dtype 'bfloat16' is for CPU serving of fp32 models; on "
-                             "GPUs serve the target in bf16 instead (--dtype bfloat16)")
+        if choice in ("bfloat16", "int8"):
+            raise ValueError(f"falcon-vllm: draft_gemm_dtype {choice!r} is for CPU serving; on GPUs serve the "
+                             "target in bf16 instead (--dtype bfloat16)")
         return None
-    if choice == "auto" and (model_dtype != torch.float32 or not torch.cpu._is_avx512_bf16_supported()):
-        return None
-    return torch.bfloat16
+    if choice == "auto":
+        if model_dtype != torch.float32:
+            return None
+        if torch.cpu._is_avx512_bf16_supported():
+            return torch.bfloat16
+        return torch.int8 if torch.cpu._is_vnni_supported() else None
+    return torch.int8 if choice == "int8" else torch.bfloat16
 
 
 def cast_gemm_weights(modules, dtype: torch.dtype | None) -> None:
     """Before vLLM processes the loaded weights: the given linear layers' weights (and biases) to ``dtype``,
-    so its CPU GEMM dispatch packs them for ``dtype``; :func:`wrap_gemms` then casts their inputs."""
+    so its CPU GEMM dispatch packs them for ``dtype``; :func:`wrap_gemms` then casts their inputs.  For int8
+    the weights stay as loaded (vLLM packs them too, to no use) and :func:`wrap_gemms` quantizes them."""
     if dtype is None:
         return
     for m in modules:
-        for name in ("weight", "bias"):
-            p = getattr(m, name, None)
-            if isinstance(p, torch.Tensor) and p.is_floating_point():
-                p.data = p.data.to(dtype)
+        if dtype == torch.int8:  # kept from vLLM's dispatch, which drops a linear layer's weight once packed
+            m.falcon_int8_weight = m.weight.data
+        else:
+            for name in ("weight", "bias"):
+                p = getattr(m, name, None)
+                if isinstance(p, torch.Tensor) and p.is_floating_point():
+                    p.data = p.data.to(dtype)
         m.falcon_gemm_dtype = dtype
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """``x -> x @ weight.T + bias`` through vLLM's oneDNN W8A8 kernels: the weight quantized symmetrically with
+    a scale per output channel, each input row quantized with its own scale when it comes; the output in the
+    weight's dtype."""
+    from vllm import _custom_ops as ops
+
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+    q = (w / scale).round().clamp(-127, 127).to(torch.int8)
+    scale = scale.view(1, -1)
+    # the handler packs its own copy of the [K, N] weight (column-major, as it takes it) but only points to the
+    # scales: they live as long as the function returned
+    handler = ops.create_onednn_scaled_mm(q.t(), scale, weight.dtype, True, False, 32)
+    bias = None if bias is None else bias.detach().to(weight.dtype)
+    n = q.shape[0]
+
+    def linear(x: torch.Tensor, _w=None, _b=None, _scale=scale) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        xq, xs, _ = ops.onednn_scaled_int8_quant(rows, None, None, True)
+        out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+        ops.onednn_scaled_mm(handler, xq, out, xs, None, None, bias)
+        return out.reshape(*x.shape[:-1], n)
+
+    return linear
 
 
 def wrap_gemms(model: nn.Module) -> None:
@@ -81,7 +118,12 @@ def wrap_gemms(model: nn.Module) -> None:
         inner = getattr(m, "cpu_linear", None)
         if dt is None or inner is None or getattr(m, "falcon_gemm_wrapped", False):
             continue
-        m.cpu_linear = lambda x, w, b, inner=inner, dt=dt: inner(x.to(dt), w, b).to(x.dtype)
+        if dt == torch.int8:
+            m.cpu_linear = int8_linear(m.falcon_int8_weight, getattr(m, "bias", None))
+            m.weight = nn.Parameter(torch.empty(0, dtype=m.falcon_int8_weight.dtype), requires_grad=False)
+            del m.falcon_int8_weight
+        else:
+            m.cpu_linear = lambda x, w, b, inner=inner, dt=dt: inner(x.to(dt), w, b).to(x.dtype)
         m.falcon_gemm_wrapped = True
 
 

@@ -18,7 +18,7 @@ from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import build_tree
 from falcon_vllm.tune_tree import LOOKUP_KEYS, STORE_KEYS, read_tree_file
 
-GEMM_DTYPES = ("auto", "bfloat16", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
+GEMM_DTYPES = ("auto", "bfloat16", "int8", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
 GEMM_DTYPE_ENV = "FALCON_VLLM_DRAFT_GEMM_DTYPE"  # its default
 
 
@@ -44,10 +44,11 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 #             drafter's probabilities of its tokens so far falls below this (0 <= value < 1; default 0: every token),
 #             and a further drafter pass runs only while some request's draft is still going; rows unlikely to be
 #             accepted are not verified (each verified row costs target arithmetic on a CPU)
-#   draft_gemm_dtype  "auto", "bfloat16" or "model": the dtype of the drafter's matmuls (default: the
-#             environment's FALCON_VLLM_DRAFT_GEMM_DTYPE, else auto).  auto is bfloat16 on CPUs with bf16 matmul
-#             units serving an fp32 model (the drafter reads half the weight bytes per pass), the model's dtype
-#             elsewhere; drafts may change slightly, outputs never do.
+#   draft_gemm_dtype  "auto", "bfloat16", "int8" or "model": the dtype of the drafter's matmuls (default: the
+#             environment's FALCON_VLLM_DRAFT_GEMM_DTYPE, else auto).  int8 (CPU): int8 weights and per-row
+#             quantized inputs (a quarter of fp32's weight bytes).  auto, serving an fp32 model on a CPU:
+#             bfloat16 with bf16 matmul units (half the bytes), else int8 with VNNI; the model's dtype elsewhere.
+#             Drafts may change slightly, outputs never do.
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
 FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "datastore", "datastore_tokens",
