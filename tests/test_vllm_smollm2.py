@@ -19,7 +19,7 @@ N = 32
 
 @pytest.fixture(autouse=True)
 def serving_default(monkeypatch):
-    """The shipped drafter as served: draft_gemm_dtype auto (bf16 matmuls on CPUs that have them)."""
+    """The shipped drafter as served: draft_gemm_dtype auto (bf16 or int8 matmuls on CPUs that have the units)."""
     monkeypatch.setenv("FALCON_VLLM_DRAFT_GEMM_DTYPE", "auto")
 
 
