@@ -47,9 +47,8 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     drafter then reads half the weight bytes per pass; int8 on one without them but with int8 dot-product
     units (VNNI); the model's dtype otherwise.  ``int8`` (CPU only): int8 weights with a scale per output
     channel, inputs quantized per row as they come (vLLM's oneDNN W8A8 kernels), a quarter of fp32's weight
-    bytes.  Activations between the matmuls, the KV cache and the outputs
-    keep the model's dtype; drafts change slightly, verification not at all, so outputs stay exactly
-    vanilla's."""
+    bytes.  Activations between the matmuls, the KV cache and the outputs keep the model's dtype; drafts
+    change slightly, verification not at all, so outputs stay exactly vanilla's."""
     check_gemm_dtype(choice, f"draft_gemm_dtype (or ${GEMM_DTYPE_ENV})")
     if choice == "model" or (choice != "int8" and model_dtype == torch.bfloat16):
         return None
@@ -94,8 +93,8 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
     q = (w / scale).round().clamp(-127, 127).to(torch.int8)
     scale = scale.view(1, -1)
-    # the handler packs its own copy of the [K, N] weight (column-major, as it takes it) but only points to the
-    # scales: they live as long as the function returned
+    # the handler packs its own copy of the [K, N] weight (column-major, as it takes it) but keeps a pointer to
+    # the scales: the returned function holds them
     handler = ops.create_onednn_scaled_mm(q.t(), scale, weight.dtype, True, False, 32)
     bias = None if bias is None else bias.detach().to(weight.dtype)
     n = q.shape[0]
@@ -112,7 +111,8 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
 
 def wrap_gemms(model: nn.Module) -> None:
     """After vLLM processed the weights: layers cast by :func:`cast_gemm_weights` take inputs in the model's
-    dtype, multiply in theirs and return the model's dtype."""
+    dtype, multiply in theirs (int8: :func:`int8_linear`, the float weights dropped) and return the model's
+    dtype."""
     for m in model.modules():
         dt = getattr(m, "falcon_gemm_dtype", None)
         inner = getattr(m, "cpu_linear", None)
