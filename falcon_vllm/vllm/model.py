@@ -89,9 +89,8 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     weight's dtype."""
     from vllm import _custom_ops as ops
 
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-    q = (w / scale).round().clamp(-127, 127).to(torch.int8)
+    # a row of the [N, K] weight is an output channel: the kernel that quantizes inputs per row does it
+    q, scale, _ = ops.onednn_scaled_int8_quant(weight.detach().float().contiguous(), None, None, True)
     scale = scale.view(1, -1)
     # the handler packs its own copy of the [K, N] weight (column-major, as it takes it) but keeps a pointer to
     # the scales: the returned function holds them
