@@ -99,6 +99,10 @@ def _engine_specs(base) -> dict:
         # ... with a random drafter, whose drafts depend on every K/V it attends to
         "inc_lookup_rnd": ("inc", {"model": "rnd_inc_k2", "num_speculative_tokens": 8, "falcon_tokens": 2,
                                    "lookup_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}, {}),
+        # ... drafting at batch 1 only
+        "inc_lookup_sched": ("inc", {"model": "rnd_inc_k2", "num_speculative_tokens": 8, "falcon_tokens": 2,
+                                     "lookup_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+                                     "num_speculative_tokens_per_batch_size": [[1, 1, 8], [2, 1 << 20, 0]]}, {}),
         "ctx_lookup": ("ctx", {"model": "exact_k2", "num_speculative_tokens": 4, "falcon_tokens": 2,
                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}, {}),
         # drafts sampled from the drafter, their distributions verified by vLLM's rejection sampler
@@ -641,6 +645,31 @@ def test_sampling_runs_with_random_drafter(engines):
 
 # ---------------------------------------------------------------------- exact drafters: full acceptance
 PROMPTS_INC = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106], [9000, 9001, 9002]]
+
+
+def test_requests_with_a_drafter_gap_get_no_chain(engines):
+    """Prompt lookup first, drafting at batch 1 only, on the increment target (greedy: t+1) with a random drafter.
+    Two requests decode together (drafting off), then the short one finishes: the long one goes on at batch 1,
+    but the drafter's KV misses the steps decoded at batch 2, so it gets no drafter chain and no drafter pass
+    runs for it; its lookup drafts (its prompt spells out its continuation) stay.  A request that starts alone
+    afterwards gets chains again.  Outputs are the target's greedy ones throughout."""
+    from vllm import SamplingParams
+
+    llm = engines.get("inc_lookup_sched")
+    prop = drafter_of(llm)
+    lk = prop.lookup
+    long_p, short_p, fresh = list(range(100, 140)) + [100], [7000, 7001], [9000, 9001, 9003]
+    chains, lookups, skipped, gap = lk.falcon_drafts, lk.lookup_drafts, prop.skipped_steps, prop.gap_steps
+    outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
+                        [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
+    assert list(outs[0].outputs[0].token_ids) == list(range(101, 131))
+    assert list(outs[1].outputs[0].token_ids) == [7002, 7003, 7004]
+    assert prop.skipped_steps > skipped and prop.gap_steps > gap  # batch 2 drafted nothing; batch 1 ran no pass
+    assert lk.falcon_drafts == chains and lk.lookup_drafts > lookups  # the long request: lookup drafts only
+    gap = prop.gap_steps
+    assert _greedy(llm, [fresh], n=12)[0][0] == list(range(9004, 9016))
+    assert lk.falcon_drafts > chains and prop.gap_steps == gap and not lk.gapped  # a new request drafts again
 
 
 @pytest.mark.parametrize("name,k,K", [("exact_k2", 2, 5), ("exact_k3", 3, 4)])  # k3: official key layout

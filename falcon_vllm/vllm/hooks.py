@@ -191,10 +191,15 @@ def _propose_draft_token_ids(orig):
         K = scheduler_output.num_spec_tokens_to_schedule
         if drafter is None or K != 0 and drafter.lookup is None and not drafter.draft_confidence:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        B = self.input_batch.num_reqs
         if K != 0:  # prompt lookup first, the drafter's chain otherwise; chains cut by draft_confidence
+            self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
             if drafter.lookup is not None:
                 drafter.lookup.plan(self, sampled_token_ids, K)
-            self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
+                if drafter.lookup.all_withheld:  # every request's drafter KV has a gap: lookup drafts only
+                    skip_drafter(self, drafter, sampled_token_ids)
+                    drafter.gap_steps += 1
+                    return drafter.lookup.merge([[] for _ in range(B)])[0]
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
             if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
                 chain = drafter.cut(chain)
@@ -202,11 +207,17 @@ def _propose_draft_token_ids(orig):
                 return chain
             drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
             return drafts
+        skip_drafter(self, drafter, sampled_token_ids)
+        if drafter.lookup is not None:
+            drafter.lookup.skipped(self.input_batch.req_ids[:B])
+        drafter.skipped_steps += 1
+        return torch.empty(B, 0, dtype=torch.int64, device=self.device)
+
+    def skip_drafter(self, drafter, sampled_token_ids) -> None:
+        """What vLLM does when it skips the drafter: the valid-token count of async scheduling."""
         if getattr(self, "valid_sampled_token_count_event", None) is not None and torch.is_tensor(sampled_token_ids):
             next_ids, counts = drafter.prepare_next_token_ids_padded(
                 sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)
             self._copy_valid_sampled_token_count(next_ids, counts)
-        drafter.skipped_steps += 1
-        return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
 
     return propose_draft_token_ids

@@ -106,6 +106,7 @@ class FalconProposer(EagleProposer):
         self.steps = 0   # propose() calls that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
+        self.gap_steps = 0  # steps whose every request has a drafter-KV gap: lookup drafts only, no drafter pass
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         self.tree_state: TreeState | None = None  # tree mode's state (tree_draft.TreeState)
         self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
