@@ -651,7 +651,7 @@ def test_requests_with_a_drafter_gap_get_no_chain(engines):
     """Prompt lookup first, drafting at batch 1 only, on the increment target (greedy: t+1) with a random drafter.
     Two requests decode together (drafting off), then the short one finishes: the long one goes on at batch 1,
     but the drafter's KV misses the steps decoded at batch 2, so it gets no drafter chain and no drafter pass
-    runs for it; its lookup drafts (its prompt spells out its continuation) stay.  A request that starts alone
+    runs for it; its lookup drafts (its prompt spells out its continuation up to 139) stay.  A request that starts alone
     afterwards gets chains again.  Outputs are the target's greedy ones throughout."""
     from vllm import SamplingParams
 
@@ -661,9 +661,9 @@ def test_requests_with_a_drafter_gap_get_no_chain(engines):
     long_p, short_p, fresh = list(range(100, 140)) + [100], [7000, 7001], [9000, 9001, 9003]
     chains, lookups, skipped, gap = lk.falcon_drafts, lk.lookup_drafts, prop.skipped_steps, prop.gap_steps
     outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
-                        [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                        [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
                          SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
-    assert list(outs[0].outputs[0].token_ids) == list(range(101, 131))
+    assert list(outs[0].outputs[0].token_ids) == list(range(101, 151))  # lookup drafts end at 140
     assert list(outs[1].outputs[0].token_ids) == [7002, 7003, 7004]
     assert prop.skipped_steps > skipped and prop.gap_steps > gap  # batch 2 drafted nothing; batch 1 ran no pass
     assert lk.falcon_drafts == chains and lk.lookup_drafts > lookups  # the long request: lookup drafts only
