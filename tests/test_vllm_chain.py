@@ -393,7 +393,7 @@ def test_lookup_steps_defer_the_drafter_pass(engines, ckpts, name):
         before = {s for s in slots if s in stash.pending}
         ok = orig_defer(slots, rows, cap)
         refused.append(not ok)
-        merged.extend(ok and s in before and len(stash.pending[s][0]) > len(r[0]) for s, r in zip(slots, rows))
+        merged.extend(ok and s in before and stash.num_rows(s) > len(r[0]) for s, r in zip(slots, rows))
         return ok
 
     for on in (True, False):
@@ -647,12 +647,53 @@ def test_sampling_runs_with_random_drafter(engines):
 PROMPTS_INC = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106], [9000, 9001, 9002]]
 
 
-def test_requests_with_a_drafter_gap_get_no_chain(engines):
+def test_drafting_off_steps_keep_their_rows_for_the_drafter(engines, ckpts):
     """Prompt lookup first, drafting at batch 1 only, on the increment target (greedy: t+1) with a random drafter.
-    Two requests decode together (drafting off), then the short one finishes: the long one goes on at batch 1,
-    but the drafter's KV misses the steps decoded at batch 2, so it gets no drafter chain and no drafter pass
-    runs for it; its lookup drafts (its prompt spells out its continuation up to 139) stay.  A request that starts alone
-    afterwards gets chains again.  Outputs are the target's greedy ones throughout."""
+    Two requests prefill and decode together (drafting off), then the short one finishes and the long one goes on at
+    batch 1.  The steps at batch 2 kept their verified rows (``keep_gap_rows``): the first drafter pass at batch 1
+    runs them, every position of the long request from 0 on, each with the sequence's next token and the target's
+    final-norm feature at its position, so its drafter K/V has no gap and it gets drafter chains again (its prompt's
+    lookup drafts end at 140).  Outputs are the target's greedy ones."""
+    from vllm import SamplingParams
+
+    llm = engines.get("inc_lookup_sched")
+    prop = drafter_of(llm)
+    lk, stash = prop.lookup, prop._stash
+    long_p, short_p = list(range(100, 140)) + [100], [7000, 7001]
+    chains, skipped, gap = lk.falcon_drafts, prop.skipped_steps, prop.gap_steps
+    taken, orig_take = [], stash.take
+
+    def take(*a):
+        out = orig_take(*a)
+        if out is not None:
+            taken.append(out)
+        return out
+
+    stash.take = take
+    try:
+        outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
+                            [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                             SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
+    finally:
+        del stash.take
+    assert list(outs[0].outputs[0].token_ids) == list(range(101, 151))
+    assert list(outs[1].outputs[0].token_ids) == [7002, 7003, 7004]
+    assert prop.skipped_steps > skipped and prop.gap_steps == gap  # batch 2 drafted nothing and kept its rows
+    assert lk.falcon_drafts > chains and not lk.gapped and not stash.pending  # the long request's chains resume
+    req, ids, feats, _, pos = taken[0]  # the first pass after batch 2: the long request alone
+    seq = long_p + list(range(101, 151))
+    assert (req == 0).all() and pos.tolist() == list(range(len(pos))) and len(pos) >= len(long_p) + 1
+    assert ids.tolist() == seq[1:len(pos) + 1]
+    with torch.no_grad():
+        ref = ckpts["inc"].model(torch.tensor([seq])).last_hidden_state[0, :len(pos)]
+    torch.testing.assert_close(feats.float(), ref.float(), atol=1e-3, rtol=1e-3)
+
+
+def test_requests_with_a_drafter_gap_get_no_chain(engines):
+    """The same, with room for fewer kept rows than the long prompt (``gap_rows`` 8): the long request's drafter K/V
+    has a gap, so at batch 1 it gets no drafter chain and no drafter pass runs for it; its lookup drafts (its prompt
+    spells out its continuation up to 139) stay.  A request that starts alone afterwards gets chains again.  Outputs
+    are the target's greedy ones throughout."""
     from vllm import SamplingParams
 
     llm = engines.get("inc_lookup_sched")
@@ -660,9 +701,13 @@ def test_requests_with_a_drafter_gap_get_no_chain(engines):
     lk = prop.lookup
     long_p, short_p, fresh = list(range(100, 140)) + [100], [7000, 7001], [9000, 9001, 9003]
     chains, lookups, skipped, gap = lk.falcon_drafts, lk.lookup_drafts, prop.skipped_steps, prop.gap_steps
-    outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
-                        [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
-                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
+    prop.gap_rows = 8
+    try:
+        outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
+                            [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                             SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
+    finally:
+        prop.gap_rows = 64
     assert list(outs[0].outputs[0].token_ids) == list(range(101, 151))  # lookup drafts end at 140
     assert list(outs[1].outputs[0].token_ids) == [7002, 7003, 7004]
     assert prop.skipped_steps > skipped and prop.gap_steps > gap  # batch 2 drafted nothing; batch 1 ran no pass

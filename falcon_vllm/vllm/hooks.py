@@ -181,7 +181,8 @@ def _propose_draft_token_ids(orig):
     (``num_speculative_tokens_per_batch_size``, e.g. a tune-tree fit at this batch size), a Falcon
     runner skips vLLM's drafter input preparation (next-token gather, padded-batch metadata, hidden-state
     hand-off) as well as the drafter itself, and keeps only what vLLM does when it skips a drafter
-    (the valid-token count of async scheduling).  The step then costs what a vanilla step costs."""
+    (the valid-token count of async scheduling), and in lookup mode on CPU the step's verified rows for the next
+    drafter pass (``FalconProposer.keep_gap_rows``).  The step then costs about what a vanilla step costs."""
     import torch
 
     from falcon_vllm.vllm.proposer import falcon_proposer
@@ -208,8 +209,10 @@ def _propose_draft_token_ids(orig):
             drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
             return drafts
         skip_drafter(self, drafter, sampled_token_ids)
-        if drafter.lookup is not None:
-            drafter.lookup.skipped(self.input_batch.req_ids[:B])
+        if drafter.lookup is not None:  # the verified rows wait for the next drafter pass, else the request has a gap
+            hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+            kept = drafter.keep_gap_rows(self, hidden, sampled_token_ids)
+            drafter.lookup.skipped([r for r in self.input_batch.req_ids[:B] if r not in kept])
         drafter.skipped_steps += 1
         return torch.empty(B, 0, dtype=torch.int64, device=self.device)
 

@@ -22,12 +22,15 @@ the config hook turns async scheduling off, and refuses an explicit request for 
 With a datastore (``datastore``: :mod:`falcon_vllm.datastore`), a request whose own tokens repeat nothing is
 looked up in the target's stored answers next; the drafter's chain covers what neither finds.
 
-A request that decoded a step with drafting off (``num_speculative_tokens_per_batch_size`` gives 0 at that
-batch size) has a gap in the drafter's KV cache: the skipped steps wrote none.  When the batch shrinks and
-drafting resumes, such a request gets lookup drafts only, never the drafter's chain, which would attend over
-the gap; a step where every request has one runs no drafter pass (``LookupState.gapped``).  On a 2-core
-AVX-512 Xeon, batch 4 stopping at EOS, drafting for them in the shrinking tail cost 3-4% against vanilla
-(``ab_default_b4_*_mt-bench_spr.md``).
+A step with drafting off (``num_speculative_tokens_per_batch_size`` gives 0 at that batch size) runs no drafter
+pass, so it writes no drafter K/V.  On CPU it keeps each request's verified rows instead (the drafter's inputs,
+at most ``gap_rows`` per request: ``FalconProposer.keep_gap_rows``), and when the batch shrinks and drafting
+resumes, the first drafter pass runs them before its own rows: the request's drafter K/V is whole, and it drafts as
+if drafting had never stopped.  A request whose rows could not be kept (past ``gap_rows``, or where no fused pass
+runs) has a gap in the drafter's KV cache: it gets lookup drafts only, never the drafter's chain, which would
+attend over the gap, and a step where every request has one runs no drafter pass (``LookupState.gapped``).  On a
+2-core AVX-512 Xeon, batch 4 stopping at EOS, drafting over the gap in the shrinking tail cost 3-4% against
+vanilla (``ab_default_b4_*_mt-bench_spr.md``).
 
 The drafter's own KV cache must still cover every verified token.  When every request of a step has a lookup
 draft, on CPU no drafter pass runs: the step's verified rows wait and the next drafter pass runs them first
@@ -90,7 +93,7 @@ class LookupState:
         self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
         self.falcon_drafts = 0   # requests x steps served by the drafter
-        self.gapped: set[str] = set()  # running requests that decoded a step with drafting off: no drafter chain
+        self.gapped: set[str] = set()  # running requests whose drafter K/V has a gap: no drafter chain
         self.withheld: list[bool] | None = None  # this step's requests without a drafter chain (set by plan)
         # adaptive lengths: request id -> (history length at its last step, that step's lookup draft length,
         # the lookup length it was given); requests absent from a step are forgotten
@@ -111,7 +114,7 @@ class LookupState:
         self.withheld = [r in self.gapped for r in req_ids]
 
     def skipped(self, req_ids) -> None:
-        """A step ran with drafting off: these requests' drafter KV now has a gap."""
+        """A step ran with drafting off and kept none of these requests' rows: their drafter KV now has a gap."""
         self.gapped.update(req_ids)
 
     @property

@@ -23,7 +23,9 @@ last committed position (its pending token ``x_{p+1}`` was just sampled by the t
 * prompt lookup (``prompt_lookup_max``, :mod:`falcon_vllm.vllm.lookup`): a request whose tokens end in a
   repeated n-gram gets vLLM's n-gram draft instead (or, with a ``datastore``, one retrieved from the target's
   stored answers); the drafter's chain covers the others, and when every request of a step has a lookup
-  draft no drafter pass runs: its verified rows wait (``defer_chunk``) and the next pass runs them first.
+  draft no drafter pass runs: its verified rows wait (``defer_chunk``) and the next pass runs them first.  So do a
+  step's rows when vLLM's dynamic speculation turns drafting off at its batch size (``keep_gap_rows``): a request
+  drafts again with its drafter K/V whole once the batch shrinks.
 * ``draft_confidence``: each chain draft stops before its first token where the product of the drafter's
   probabilities of its tokens (a sampled draft's: of the drawn tokens) falls below the threshold
   (:meth:`FalconProposer.cut`, applied by the runner hook), and a further pass runs only while some request's draft
@@ -53,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
@@ -144,6 +147,10 @@ class FalconProposer(EagleProposer):
         self.defer_chunk = True
         self.defer_rows = 32
         self.deferred_steps = 0  # steps whose drafter pass was deferred
+        # a step with drafting off (lookup mode) keeps its verified rows, at most gap_rows per request, for the next
+        # drafter pass, so that a request's drafter K/V has no gap when drafting resumes (keep_gap_rows; 0: off).  Not
+        # more: catching up a whole prompt prefilled with drafting off cost more than it bought (ab_gap_rows_b4_*_spr.md)
+        self.gap_rows = 64
         self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
                                       ids_dtype=self.input_ids.dtype)
         if self.tree is not None:
@@ -196,8 +203,10 @@ class FalconProposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
         drafting = self.lookup is None or not self.lookup.all_matched  # else every request has a lookup draft
-        pending = self.defer_rows if self._stash.pending else 0  # rows a deferred step left (at most per request)
+        pending = self._stash.max_rows() if self._stash.pending else 0  # rows deferred or kept steps left
         fused = self.fuse_chunk and num_tokens + B * (k + pending) <= self.input_ids.shape[0]
+        if pending and not fused:  # only a fused pass runs pending rows: whose rows are dropped have a gap
+            self._drop_pending(B)
         if fused and not drafting and self.defer_chunk and self._defer(cad, last.long(), B):
             self.deferred_steps += 1  # prompt lookup serves every request: the next drafter pass writes these rows
             return torch.empty(B, 0, dtype=torch.int64, device=self.device)
@@ -314,6 +323,8 @@ class FalconProposer(EagleProposer):
         feats = self.hidden_states[safe]
         positions = self.positions[last].long()[:, None] - offs[None]
         slots = self._step_slots = self._stash.slots(self._req_ids(B), last.device)
+        if self._stash.pending:
+            self._stash.retain(slots.tolist())
         if k > 1:
             known = self._stash.fill(slots, ids, feats, positions, known)
             self._stash.update(slots, ids, feats, positions, known)
@@ -437,6 +448,46 @@ class FalconProposer(EagleProposer):
                  self._end_offsets(self.positions[a:e + 1], int(self.positions[e])), int(self.positions[a]))
                 for a, e in zip(start, end)]
         return self._stash.defer(self._step_slots.tolist(), rows, self.defer_rows)
+
+    def keep_gap_rows(self, runner, hidden_states, sampled_token_ids) -> set[str]:
+        """A step with drafting off (lookup mode, on CPU): keep each request's verified rows, the drafter inputs
+        (token ``x_{q+1}``, target feature ``f_q``) of every position q it verified, as pending rows that the next
+        drafter pass runs first, so that its drafter K/V has no gap when the batch shrinks and drafting resumes.
+        Returns the ids of the requests whose rows were kept; the others (past ``gap_rows`` rows, not decoding
+        from the sampler's tensor, or already gapped) have a gap (``LookupState.gapped``)."""
+        batch = runner.input_batch
+        B = batch.num_reqs
+        if not (self.fuse_chunk and self.gap_rows) or not torch.is_tensor(sampled_token_ids) or hidden_states is None:
+            return set()
+        req_ids = list(batch.req_ids[:B])
+        qsl = runner.query_start_loc.cpu[:B + 1].tolist()
+        sampled = sampled_token_ids.cpu().numpy()[:B]
+        discard = runner.discard_request_mask.np[:B]  # partial prefills: the next token is the prompt's
+        slots = self._stash.slots(req_ids, hidden_states.device).tolist()
+        self._stash.retain(slots)
+        kept = set()
+        for i, (r, s) in enumerate(zip(req_ids, slots)):
+            if r in self.lookup.gapped:
+                continue
+            first, n_tok = int(batch.num_computed_tokens_cpu[i]), int(batch.num_tokens_no_spec[i])
+            new = np.empty(0, dtype=np.int64) if discard[i] else sampled[i][sampled[i] >= 0]
+            # the tokens after positions first..: the committed ones, then this step's sampled ones
+            after = np.concatenate([batch.token_ids_cpu[i, first + 1:n_tok], new])
+            n = min(len(after), qsl[i + 1] - qsl[i])  # verified rows: a chunk's, or the accepted drafts and one more
+            if n <= 0:
+                continue
+            pos = torch.arange(first, first + n)
+            piece = (torch.from_numpy(after[:n].astype(np.int64)), hidden_states[qsl[i]:qsl[i] + n].clone(),
+                     self._end_offsets(pos, first + n - 1), first)
+            if self._stash.keep(s, piece, self.gap_rows):
+                kept.add(r)
+        return kept
+
+    def _drop_pending(self, B: int) -> None:
+        """Drop the step's requests' pending rows (they do not fit one fused pass): their drafter K/V has a gap."""
+        for r, s in zip(self._req_ids(B), self._step_slots.tolist()):
+            if self._stash.pending.pop(s, None) is not None and r is not None and self.lookup is not None:
+                self.lookup.gapped.add(r)
 
     def _block_offsets(self, nb: int, device) -> torch.Tensor | None:
         """Row offsets of ``nb`` k-row blocks laid out one after another (None: no level embedding)."""

@@ -13,7 +13,9 @@ field, indexed by a slot per request (LRU-evicted), so lookups and updates are g
 without host synchronisation.
 
 It also holds each request's *pending* chunk rows: verified rows whose drafter K/V a step served by prompt
-lookup alone did not write (``FalconProposer.defer_chunk``); the next drafter pass runs them first.
+lookup alone (``FalconProposer.defer_chunk``) or a step with drafting off (``FalconProposer.gap_rows``) did not
+write; the next drafter pass runs them first.  They are kept as the steps left them, a list of consecutive
+pieces per request, and joined once, when a pass takes them.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ class BlockInputStash:
         self.num_valid = torch.zeros(num_slots + 1, dtype=torch.long, device=device)      # valid rows, from the end
         self._slot_of: OrderedDict[str, int] = OrderedDict()
         self._free = list(range(num_slots))
-        # slot -> (ids [n], feats [n, H], level offsets [n], first position): rows at consecutive positions, oldest
-        # first; a row's level offset is taken from its request's end when it was verified, as a pass then would
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        # slot -> pieces (ids [n], feats [n, H], level offsets [n], first position), each at consecutive positions
+        # following the one before, oldest first; a row's level offset is taken from its request's end when it was
+        # verified, as a pass then would
+        self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]] = {}
 
     def slots(self, req_ids: list[str | None], device) -> torch.Tensor:
         """Slot index per batch row [B] (new requests get a fresh, empty slot)."""
@@ -88,6 +91,24 @@ class BlockInputStash:
         self.end_pos[slots] = positions[:, -1].long()
         self.num_valid[slots] = known[:, 1:].long().sum(1)
 
+    def retain(self, slots: list[int]) -> None:
+        """Drop the pending rows of requests outside this step (finished, or no longer in the batch)."""
+        for s in set(self.pending).difference(slots):
+            del self.pending[s]
+
+    def num_rows(self, slot: int) -> int:
+        """The pending rows of ``slot``."""
+        return sum(len(piece[0]) for piece in self.pending.get(slot, ()))
+
+    def max_rows(self) -> int:
+        """The most pending rows any request holds."""
+        return max((self.num_rows(s) for s in self.pending), default=0)
+
+    def _end(self, slot: int) -> int | None:
+        """The position after ``slot``'s last pending row (None: none pending)."""
+        pieces = self.pending.get(slot)
+        return pieces[-1][3] + len(pieces[-1][0]) if pieces else None
+
     def defer(self, slots: list[int], rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
               cap: int) -> bool:
         """Append each request's verified rows (ids [n], feats [n, H], offsets [n], first position) to its pending
@@ -95,15 +116,34 @@ class BlockInputStash:
         a request's pending rows replace them: the old ones are dropped, their K/V left unwritten, as after a step that
         drafts nothing (only acceptance can suffer)."""
         merged = []
-        for s, (ids, feats, offs, first) in zip(slots, rows):
-            old = self.pending.get(s)
-            if old is not None and old[3] + len(old[0]) == first:
-                ids, feats, offs, first = (torch.cat([old[0], ids]), torch.cat([old[1], feats]),
-                                           torch.cat([old[2], offs]), old[3])
-            if len(ids) > cap:
+        for s, piece in zip(slots, rows):
+            follows = self._end(s) == piece[3]
+            if len(piece[0]) + (self.num_rows(s) if follows else 0) > cap:
                 return False
-            merged.append((s, (ids, feats, offs, first)))
+            merged.append((s, self.pending[s] + [piece] if follows else [piece]))
         self.pending.update(merged)
+        return True
+
+    def keep(self, slot: int, piece: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], cap: int) -> bool:
+        """Append one request's verified rows of a step with drafting off to its pending rows.  False, and its pending
+        rows dropped, when they do not follow the pending rows it has or would exceed ``cap``: its drafter K/V then
+        has a gap."""
+        follows = self._end(slot) in (None, piece[3])
+        if not follows or len(piece[0]) + self.num_rows(slot) > cap:
+            self.pending.pop(slot, None)
+            return False
+        self.pending.setdefault(slot, []).append(piece)
+        ids, feats, first = piece[0], piece[1], piece[3]
+        R, n = self.ids.shape[1], min(self.ids.shape[1], len(ids))  # the stash's rows: the last k-1 verified ones
+        if self.k > 1 and n:  # (this path runs on CPU only: reading the stash's tensors costs no device sync)
+            old = min(R - n, int(self.num_valid[slot])) if int(self.end_pos[slot]) == first - 1 else 0
+            if old:  # rows it holds that precede these move up
+                self.ids[slot, R - n - old:R - n] = self.ids[slot, R - old:].clone()
+                self.feats[slot, R - n - old:R - n] = self.feats[slot, R - old:].clone()
+            self.ids[slot, R - n:] = ids[-n:].to(self.ids.device, self.ids.dtype)
+            self.feats[slot, R - n:] = feats[-n:].to(self.feats.device, self.feats.dtype)
+            self.end_pos[slot] = first + len(ids) - 1
+            self.num_valid[slot] = n + old
         return True
 
     def take(self, slots: list[int], chunk_start: list[int], block_start: list[int]):
@@ -112,10 +152,12 @@ class BlockInputStash:
         positions [P]) of the rows to run, or None; every slot's pending rows are cleared."""
         out = []
         for b, (s, c, e) in enumerate(zip(slots, chunk_start, block_start)):
-            rows = self.pending.pop(s, None)
-            if rows is None or rows[3] + len(rows[0]) != c:
+            if self._end(s) != c:
+                self.pending.pop(s, None)
                 continue
-            ids, feats, offs, first = rows
+            pieces = self.pending.pop(s)
+            ids, feats, offs = (torch.cat([p[i] for p in pieces]) for i in range(3))
+            first = pieces[0][3]
             n = max(0, min(len(ids), e - first))
             if n:
                 out.append((b, ids[:n], feats[:n], offs[:n], first))
