@@ -54,23 +54,14 @@ def proposer_attrs(cfg: str) -> tuple[str, dict]:
     return cfg, key_values(attrs, cfg)
 
 
-def run(args) -> list[dict]:
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+def build_engines(args, model: str):
+    """One engine per configuration (``args.configs``, ``args.compile``, ``args.drafter``, ...), in this process.
 
-    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
+    Returns (labels, engines: label -> LLM, switch(label): set that label's proposer attributes, step_count:
+    label -> [model steps, seconds in propose_draft_token_ids, requests scheduled over those steps])."""
+    from vllm import LLM
 
-    model = args.model or str(model_path())
-    tok = AutoTokenizer.from_pretrained(model)
-
-    def chat(messages):
-        return {"prompt_token_ids": chat_ids(tok, messages, add_generation_prompt=True)}
-
-    questions = load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes))
-    last = args.turn or min(len(q["turns"]) for q in questions)  # --turn 0: every turn of the conversation
-    if any(len(q["turns"]) < last for q in questions):
-        raise SystemExit(f"falcon-vllm: --turn {args.turn}: {args.dataset} questions have fewer turns")
-    history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    max_num_seqs = getattr(args, "max_num_seqs", 0) or max(args.batch_sizes)
     engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
     labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
     compiled = set(labels) if args.compile == "all" else {c for c in args.compile.split(",") if c}
@@ -88,7 +79,7 @@ def run(args) -> list[dict]:
         key = (base_cfg, label in compiled, label if args.configs.count(cfg) > 1 else "")  # vanilla,vanilla: two
         if key not in shared:
             shared[key] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=label not in compiled,
-                              max_num_seqs=max(args.batch_sizes), seed=0, enable_prefix_caching=False,
+                              max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False,
                               disable_log_stats=False, speculative_config=spec_for(base_cfg, args.drafter,
                                                                                    args.num_spec_tokens,
                                                                                    args.eagle_drafter))
@@ -112,17 +103,18 @@ def run(args) -> list[dict]:
     # slowest request finishes, so max_new_tokens / steps is the tokens per step only at batch 1
     # and the seconds in the runner's propose_draft_token_ids (vLLM's drafter input preparation and the drafter)
     step_count = {}
-    counters = {}  # engine -> [steps, drafting seconds] (labels sharing an engine count their own generations')
+    counters = {}  # engine -> [steps, drafting seconds, requests scheduled] (labels sharing an engine count their own generations')
     for cfg, llm in engines.items():
         if id(llm) in counters:
             step_count[cfg] = counters[id(llm)]
             continue
-        count = step_count[cfg] = counters[id(llm)] = [0, 0.0]
+        count = step_count[cfg] = counters[id(llm)] = [0, 0.0, 0]
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         orig, orig_draft = runner.execute_model, runner.propose_draft_token_ids
 
         def execute_model(scheduler_output, *a, _orig=orig, _count=count, **kw):
             _count[0] += scheduler_output.total_num_scheduled_tokens > 0
+            _count[2] += len(scheduler_output.num_scheduled_tokens)
             return _orig(scheduler_output, *a, **kw)
 
         def propose_draft_token_ids(*a, _orig=orig_draft, _count=count, **kw):
@@ -133,6 +125,27 @@ def run(args) -> list[dict]:
                 _count[1] += time.perf_counter() - t
 
         runner.execute_model, runner.propose_draft_token_ids = execute_model, propose_draft_token_ids
+    return labels, engines, switch, step_count
+
+
+def run(args) -> list[dict]:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
+
+    model = args.model or str(model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def chat(messages):
+        return {"prompt_token_ids": chat_ids(tok, messages, add_generation_prompt=True)}
+
+    questions = load_chat_prompts(args.dataset, max(args.prompts or 0, *args.batch_sizes))
+    last = args.turn or min(len(q["turns"]) for q in questions)  # --turn 0: every turn of the conversation
+    if any(len(q["turns"]) < last for q in questions):
+        raise SystemExit(f"falcon-vllm: --turn {args.turn}: {args.dataset} questions have fewer turns")
+    history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    labels, engines, switch, step_count = build_engines(args, model)
     base = labels[0]
     turns = [[chat(h) for h in history]]  # turns[t]: each conversation's prompt at turn t + 1
     for t in range(1, last):  # later turns: the conversation so far, with the baseline's greedy answers
@@ -161,7 +174,7 @@ def run(args) -> list[dict]:
             order = [labels[(i + j) % n] for j in range(n)]  # rotate: no configuration always first
             for c in order:
                 switch(c)
-                before, draft_before = step_count[c]
+                before, draft_before, _ = step_count[c]
                 t0 = time.perf_counter()
                 o = [x for turn in batch for x in engines[c].generate(turn, sp, use_tqdm=False)]
                 secs[c].append(time.perf_counter() - t0)
