@@ -199,6 +199,7 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
 # serving.json's prompt-lookup keys (falcon_vllm.vllm.options validates them)
 LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "falcon_tokens", "lookup_tokens")
 STORE_KEYS = ("datastore", "datastore_tokens", "datastore_max_batch")
+LOOKUP_BATCH_KEY = "falcon_max_batch"  # the drafter's chain only in steps of at most this many requests
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class TreeFile:
     capability instead), vLLM's
     ``"draft_sample_method"`` (with ``"draft_temperature_scale"``) and the prompt-lookup keys
     (``prompt_lookup_min``, ``prompt_lookup_max``, ``falcon_tokens``, ``lookup_tokens``, ``datastore``,
-    ``datastore_tokens``, ``datastore_max_batch``)."""
+    ``datastore_tokens``, ``datastore_max_batch``, ``falcon_max_batch``)."""
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
@@ -239,7 +240,7 @@ def read_tree_file(path: str) -> TreeFile:
                     num_speculative_tokens=n if isinstance(n, int) else None,
                     chain_schedule=data.get("num_speculative_tokens_per_batch_size"),
                     chain_schedule_by_cpu=data.get("num_speculative_tokens_per_batch_size_by_cpu"),
-                    lookup={key: data[key] for key in LOOKUP_KEYS + STORE_KEYS if key in data},
+                    lookup={key: data[key] for key in LOOKUP_KEYS + STORE_KEYS + (LOOKUP_BATCH_KEY,) if key in data},
                     draft_sample_method=data.get("draft_sample_method"),
                     draft_temperature_scale=data.get("draft_temperature_scale"))
 

@@ -717,6 +717,52 @@ def test_requests_with_a_drafter_gap_get_no_chain(engines):
     assert lk.falcon_drafts > chains and prop.gap_steps == gap and not lk.gapped  # a new request drafts again
 
 
+def test_steps_past_falcon_max_batch_get_lookup_drafts_and_keep_their_rows(engines, ckpts):
+    """``falcon_max_batch`` 1 on the increment target with a random drafter, lookup drafting at every batch size: at
+    batch 2 the long request (its prompt spells out its continuation up to 139) gets lookup drafts, accepted, and no
+    drafter pass runs; those steps keep their verified rows, the accepted drafts' included, so the first drafter pass
+    at batch 1 runs every position of the long request from 0 on, each with the sequence's next token and the
+    target's final-norm feature there, and the request gets drafter chains again.  Outputs are the target's greedy
+    ones."""
+    from vllm import SamplingParams
+
+    llm = engines.get("inc_lookup_rnd")
+    prop = drafter_of(llm)
+    lk, stash = prop.lookup, prop._stash
+    long_p, short_p = list(range(100, 140)) + [100], [7000, 7001]
+    chains, lookup_only, skipped = lk.falcon_drafts, prop.lookup_only_steps, prop.skipped_steps
+    c0 = spec_counters(llm)
+    taken, orig_take = [], stash.take
+
+    def take(*a):
+        out = orig_take(*a)
+        if out is not None:
+            taken.append(out)
+        return out
+
+    stash.take, lk.falcon_max_batch = take, 1
+    try:
+        outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
+                            [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                             SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)], use_tqdm=False)
+    finally:
+        del stash.take
+        lk.falcon_max_batch = None
+    assert list(outs[0].outputs[0].token_ids) == list(range(101, 151))
+    assert list(outs[1].outputs[0].token_ids) == [7002, 7003, 7004, 7005]
+    assert prop.lookup_only_steps - lookup_only >= 3 and prop.skipped_steps == skipped  # batch 2: lookup only
+    assert lk.falcon_drafts > chains and not lk.gapped and not stash.pending  # the long request's chains resume
+    req, ids, feats, _, pos = taken[0]  # the first pass after batch 2: the long request alone
+    seq = long_p + list(range(101, 151))
+    # its rows reach past the prompt and the tokens decoded one by one at batch 2: accepted lookup drafts were kept
+    assert (req == 0).all() and pos.tolist() == list(range(len(pos))) and len(pos) >= len(long_p) + 4
+    assert ids.tolist() == seq[1:len(pos) + 1]
+    with torch.no_grad():
+        ref = ckpts["inc"].model(torch.tensor([seq])).last_hidden_state[0, :len(pos)]
+    torch.testing.assert_close(feats.float(), ref.float(), atol=1e-3, rtol=1e-3)
+    assert counter_delta(spec_counters(llm), c0)["num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("name,k,K", [("exact_k2", 2, 5), ("exact_k3", 3, 4)])  # k3: official key layout
 def test_exact_drafter_accepts_everything(engines, name, k, K):
     llm = engines.get(name)

@@ -415,6 +415,35 @@ def test_datastore_option(dirs, tmp_path):
         _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "datastore": str(ds)})
 
 
+def test_falcon_max_batch_option(dirs, tmp_path):
+    """falcon_max_batch (the drafter's chain only in steps of at most this many requests, lookup drafts alone above)
+    takes an integer >= 0 and needs prompt lookup; a drafter's serving.json may recommend it, an explicit one wins."""
+    import json
+
+    look = {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    f = _config(dirs, look).speculative_config.draft_model_config.hf_config.falcon
+    assert "falcon_max_batch" not in f
+    f = _config(dirs, {**look, "falcon_max_batch": 3}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["falcon_max_batch"] == 3 and f["prompt_lookup"] == [3, 3]
+    for bad in ({**look, "falcon_max_batch": -1}, {**look, "falcon_max_batch": True},
+                {**look, "falcon_max_batch": "3"}):
+        with pytest.raises(ValueError, match="falcon_max_batch must be an integer >= 0 and comes with prompt lookup"):
+            _config(dirs, bad)
+    with pytest.raises(ValueError, match="without it"):
+        _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4,
+                       "falcon_max_batch": 3})
+    rec = tmp_path / "rec"
+    shutil.copytree(dirs / "good", rec)
+    (rec / "serving.json").write_text(json.dumps({"num_speculative_tokens": 8, "falcon_tokens": 2,
+                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                                  "falcon_max_batch": 3}))
+    f = _config(dirs, {"method": "falcon", "model": str(rec)}).speculative_config.draft_model_config.hf_config.falcon
+    assert f["falcon_max_batch"] == 3 and f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2
+    f = _config(dirs, {"method": "falcon", "model": str(rec), "falcon_max_batch": 1}
+                ).speculative_config.draft_model_config.hf_config.falcon
+    assert f["falcon_max_batch"] == 1 and f["prompt_lookup"] == [2, 4]
+
+
 def test_draft_confidence_option(dirs):
     """draft_confidence (chain drafts cut where the drafter's probability of them falls below it) takes a number in
     [0, 1), in chain mode only (with or without prompt lookup); 0 leaves it off."""

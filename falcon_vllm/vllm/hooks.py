@@ -197,9 +197,13 @@ def _propose_draft_token_ids(orig):
             self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
             if drafter.lookup is not None:
                 drafter.lookup.plan(self, sampled_token_ids, K)
-                if drafter.lookup.all_withheld:  # every request's drafter KV has a gap: lookup drafts only
+                if drafter.lookup.all_withheld:  # lookup drafts only: no request gets the drafter's chain
                     skip_drafter(self, drafter, sampled_token_ids)
-                    drafter.gap_steps += 1
+                    if drafter.lookup.lookup_only:  # past falcon_max_batch: the rows wait, as with drafting off
+                        keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
+                        drafter.lookup_only_steps += 1
+                    else:  # every request's drafter KV has a gap
+                        drafter.gap_steps += 1
                     return drafter.lookup.merge([[] for _ in range(B)])[0]
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
             if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
@@ -209,12 +213,16 @@ def _propose_draft_token_ids(orig):
             drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
             return drafts
         skip_drafter(self, drafter, sampled_token_ids)
-        if drafter.lookup is not None:  # the verified rows wait for the next drafter pass, else the request has a gap
-            hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
-            kept = drafter.keep_gap_rows(self, hidden, sampled_token_ids)
-            drafter.lookup.skipped([r for r in self.input_batch.req_ids[:B] if r not in kept])
+        if drafter.lookup is not None:
+            keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
         drafter.skipped_steps += 1
         return torch.empty(B, 0, dtype=torch.int64, device=self.device)
+
+    def keep_rows(self, drafter, sampled_token_ids, args, kwargs, B) -> None:
+        """A step without a drafter pass: the verified rows wait for the next one, else the request has a gap."""
+        hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+        kept = drafter.keep_gap_rows(self, hidden, sampled_token_ids)
+        drafter.lookup.skipped([r for r in self.input_batch.req_ids[:B] if r not in kept])
 
     def skip_drafter(self, drafter, sampled_token_ids) -> None:
         """What vLLM does when it skips the drafter: the valid-token count of async scheduling."""

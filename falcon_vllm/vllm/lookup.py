@@ -30,7 +30,8 @@ if drafting had never stopped.  A request whose rows could not be kept (past ``g
 runs) has a gap in the drafter's KV cache: it gets lookup drafts only, never the drafter's chain, which would
 attend over the gap, and a step where every request has one runs no drafter pass (``LookupState.gapped``).  On a
 2-core AVX-512 Xeon, batch 4 stopping at EOS, drafting over the gap in the shrinking tail cost 3-4% against
-vanilla (``ab_default_b4_*_mt-bench_spr.md``).
+vanilla (``ab_default_b4_*_mt-bench_spr.md``).  A step of more than ``falcon_max_batch`` requests is served the same
+way with lookup drafts on: each request gets its lookup draft or nothing, no drafter pass runs, and the rows are kept.
 
 The drafter's own KV cache must still cover every verified token.  When every request of a step has a lookup
 draft, on CPU no drafter pass runs: the step's verified rows wait and the next drafter pass runs them first
@@ -84,12 +85,15 @@ class LookupState:
     """What one runner step's lookup decided (set by the runner hook, read by the proposer)."""
 
     def __init__(self, min_n: int, max_n: int, falcon_tokens: int, lookup_tokens: int | None = None,
-                 store: Datastore | None = None, store_tokens: int | None = None, store_max_batch: int | None = None):
+                 store: Datastore | None = None, store_tokens: int | None = None, store_max_batch: int | None = None,
+                 falcon_max_batch: int | None = None):
         self.min_n, self.max_n, self.falcon_tokens = min_n, max_n, falcon_tokens
         self.store = store  # the target's stored answers, where the request's own tokens repeat nothing
         self.store_tokens = store_tokens  # the longest datastore draft (None: as long as a lookup draft)
         self.store_max_batch = store_max_batch  # the store is looked up in steps of at most this many requests
         self.lookup_tokens = lookup_tokens  # None: every lookup draft up to the step's budget
+        self.falcon_max_batch = falcon_max_batch  # the drafter's chain only in steps of at most this many requests
+        self.lookup_only = False  # this step is larger: lookup drafts alone (set by plan)
         self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
         self.falcon_drafts = 0   # requests x steps served by the drafter
@@ -111,7 +115,8 @@ class LookupState:
         self.drafts = self.draft(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:B], sampled,
                                  ~discard, k, runner.max_model_len)
         self.gapped.intersection_update(req_ids)  # finished requests leave
-        self.withheld = [r in self.gapped for r in req_ids]
+        self.lookup_only = self.falcon_max_batch is not None and B > self.falcon_max_batch
+        self.withheld = [self.lookup_only or r in self.gapped for r in req_ids]
 
     def skipped(self, req_ids) -> None:
         """A step ran with drafting off and kept none of these requests' rows: their drafter KV now has a gap."""
@@ -119,7 +124,8 @@ class LookupState:
 
     @property
     def all_withheld(self) -> bool:
-        """Every request of the planned step has a gap: the drafter's chain would serve none of them."""
+        """Every request of the planned step has a gap, or the step is past ``falcon_max_batch``: the drafter's chain
+        serves none of them."""
         return self.withheld is not None and len(self.withheld) > 0 and all(self.withheld)
 
     def draft(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray | None,

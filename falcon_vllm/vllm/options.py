@@ -16,7 +16,7 @@ from pathlib import Path
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import build_tree
-from falcon_vllm.tune_tree import LOOKUP_KEYS, STORE_KEYS, read_tree_file
+from falcon_vllm.tune_tree import LOOKUP_BATCH_KEY, LOOKUP_KEYS, STORE_KEYS, read_tree_file
 
 GEMM_DTYPES = ("auto", "bfloat16", "int8", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
 GEMM_DTYPE_ENV = "FALCON_VLLM_DRAFT_GEMM_DTYPE"  # its default
@@ -40,6 +40,9 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 #   datastore_tokens  with a datastore: its drafts' longest length (default: a lookup draft's)
 #   datastore_max_batch  with a datastore: it is looked up only in steps of at most this many requests (default:
 #             every step); its drafts are long, and the rows they add cost more as the batch grows
+#   falcon_max_batch  with prompt lookup: the drafter's chain serves only steps of at most this many requests; a
+#             larger step gets lookup drafts alone (where the batch-size schedule still drafts there), its verified
+#             rows kept for the next drafter pass as in a step with drafting off (default: every step)
 #   draft_confidence  chain mode: a request's chain draft stops before its first token where the product of the
 #             drafter's probabilities of its tokens so far falls below this (0 <= value < 1; default 0: every token),
 #             and a further drafter pass runs only while some request's draft is still going; rows unlikely to be
@@ -52,7 +55,7 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
 FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "datastore", "datastore_tokens",
-               "datastore_max_batch", "draft_gemm_dtype", "draft_temperature_scale", "draft_confidence"}
+               "datastore_max_batch", "falcon_max_batch", "draft_gemm_dtype", "draft_temperature_scale", "draft_confidence"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -269,7 +272,7 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
             sc.setdefault("draft_temperature_scale", rec_scale)
         rec_store = {key: lookup_rec.pop(key) for key in STORE_KEYS if key in lookup_rec}
         if not any(key in sc for key in LOOKUP_KEYS):
-            sc.update(lookup_rec)
+            sc.update({key: v for key, v in lookup_rec.items() if sc.get(key) is None})  # explicit keys win
             if isinstance(rec_store.get("datastore"), str) and "datastore" not in sc:  # relative to the drafter
                 sc["datastore"] = os.path.join(path, rec_store["datastore"])
                 for key in STORE_KEYS[1:]:
@@ -282,6 +285,11 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
             raise ValueError(f"falcon-vllm: {key} must be an integer >= 1 and comes with a datastore, got "
                              f"{v!r}" + ("" if store is not None else " without one"))
     lookup = _lookup_options(sc)  # pops the prompt-lookup keys
+    falcon_max_batch = sc.pop(LOOKUP_BATCH_KEY, None)
+    if falcon_max_batch is not None and (lookup is None or not isinstance(falcon_max_batch, int)
+                                         or isinstance(falcon_max_batch, bool) or falcon_max_batch < 0):
+        raise ValueError(f"falcon-vllm: {LOOKUP_BATCH_KEY} must be an integer >= 0 and comes with prompt lookup "
+                         f"(prompt_lookup_max), got {falcon_max_batch!r}" + ("" if lookup else " without it"))
     if store is not None:
         if not isinstance(store, str) or lookup is None:
             raise ValueError("falcon-vllm: datastore (a `falcon-vllm datastore` file, or false) is looked up with "
@@ -355,6 +363,8 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
             if v > n:
                 raise ValueError(f"falcon-vllm: {key}={v} is above num_speculative_tokens={n}")
         info.update(prompt_lookup=[lo, hi], falcon_tokens=falcon_tokens, lookup_tokens=lookup_tokens)
+        if falcon_max_batch is not None:
+            info[LOOKUP_BATCH_KEY] = falcon_max_batch
         if store is not None:
             info["datastore"] = os.path.abspath(store)
             info.update({key: v for key, v in store_opts.items() if v is not None})

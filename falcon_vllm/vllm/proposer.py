@@ -110,6 +110,7 @@ class FalconProposer(EagleProposer):
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
         self.gap_steps = 0  # steps whose every request has a drafter-KV gap: lookup drafts only, no drafter pass
+        self.lookup_only_steps = 0  # steps past falcon_max_batch: lookup drafts only, the rows kept, no drafter pass
         self.tree: DecodingTree | None = None  # tree mode (None: chain mode)
         self.tree_state: TreeState | None = None  # tree mode's state (tree_draft.TreeState)
         self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
@@ -128,7 +129,8 @@ class FalconProposer(EagleProposer):
             store = self.falcon.get("datastore")
             self.lookup = LookupState(lo, hi, self.falcon["falcon_tokens"], self.falcon.get("lookup_tokens"),
                                       Datastore.load(store).build() if store else None,
-                                      self.falcon.get("datastore_tokens"), self.falcon.get("datastore_max_batch"))
+                                      self.falcon.get("datastore_tokens"), self.falcon.get("datastore_max_batch"),
+                                      self.falcon.get("falcon_max_batch"))
             lookup.warm_up()
         if self.falcon.get("mode") == "tree":
             self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
