@@ -647,6 +647,20 @@ def test_sampling_runs_with_random_drafter(engines):
 PROMPTS_INC = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106], [9000, 9001, 9002]]
 
 
+def _record_takes(stash) -> list:
+    """Record every batch of pending rows the stash hands a drafter pass (until ``del stash.take``)."""
+    taken, orig_take = [], stash.take
+
+    def take(*a):
+        out = orig_take(*a)
+        if out is not None:
+            taken.append(out)
+        return out
+
+    stash.take = take
+    return taken
+
+
 def test_drafting_off_steps_keep_their_rows_for_the_drafter(engines, ckpts):
     """Prompt lookup first, drafting at batch 1 only, on the increment target (greedy: t+1) with a random drafter.
     Two requests prefill and decode together (drafting off), then the short one finishes and the long one goes on at
@@ -661,15 +675,7 @@ def test_drafting_off_steps_keep_their_rows_for_the_drafter(engines, ckpts):
     lk, stash = prop.lookup, prop._stash
     long_p, short_p = list(range(100, 140)) + [100], [7000, 7001]
     chains, skipped, gap = lk.falcon_drafts, prop.skipped_steps, prop.gap_steps
-    taken, orig_take = [], stash.take
-
-    def take(*a):
-        out = orig_take(*a)
-        if out is not None:
-            taken.append(out)
-        return out
-
-    stash.take = take
+    taken = _record_takes(stash)
     try:
         outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
                             [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
@@ -732,15 +738,8 @@ def test_steps_past_falcon_max_batch_get_lookup_drafts_and_keep_their_rows(engin
     long_p, short_p = list(range(100, 140)) + [100], [7000, 7001]
     chains, lookup_only, skipped = lk.falcon_drafts, prop.lookup_only_steps, prop.skipped_steps
     c0 = spec_counters(llm)
-    taken, orig_take = [], stash.take
-
-    def take(*a):
-        out = orig_take(*a)
-        if out is not None:
-            taken.append(out)
-        return out
-
-    stash.take, lk.falcon_max_batch = take, 1
+    taken = _record_takes(stash)
+    lk.falcon_max_batch = 1
     try:
         outs = llm.generate([{"prompt_token_ids": long_p}, {"prompt_token_ids": short_p}],
                             [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
