@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import random
-import shlex
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ab_step import CALLER_ENV, _compile_words, build_engines  # noqa: E402  (sets the environment first)
+from ab_step import _compile_words, build_engines, command_line  # noqa: E402  (sets the environment first)
 from cpu_gemm_rows import cpu_name  # noqa: E402
 from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT  # noqa: E402
 
@@ -71,10 +70,6 @@ def serve_trace(engine, prompts: list[dict], times: list[float], sp, tag: str = 
     return done
 
 
-def _mean(xs):
-    return sum(xs) / len(xs)
-
-
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -91,7 +86,7 @@ def run(args) -> list[dict]:
     questions = load_chat_prompts(args.dataset, args.prompts or args.requests * args.traces)
     prompts = [{"prompt_token_ids": chat_ids(tok, [{"role": "user", "content": q["turns"][0]}],
                                              add_generation_prompt=True)} for q in questions]
-    labels, engines, switch, step_count = build_engines(args, model)
+    labels, engines, switch, step_count = build_engines(args, model, args.max_num_seqs)
     base = labels[0]
     sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=0, ignore_eos=not args.stop_at_eos)
     for c, llm in engines.items():  # warm-up
@@ -116,7 +111,7 @@ def run(args) -> list[dict]:
                 steps[c][0] += step_count[c][0] - before[0]
                 steps[c][1] += step_count[c][2] - before[2]
                 reqs[c] += done
-                trace_lat[c].append(_mean([d["latency"] for d in done]))
+                trace_lat[c].append(statistics.fmean([d["latency"] for d in done]))
             print(json.dumps({"rate": rate, "trace": i, **{c: round(trace_lat[c][-1], 3) for c in labels}}),
                   file=sys.stderr, flush=True)
         for c in labels:
@@ -126,8 +121,9 @@ def run(args) -> list[dict]:
             tokens = sum(len(d["tokens"]) for d in reqs[c])
             rows.append({
                 "config": c, "rate": rate, "traces": args.traces, "requests": len(lat),
-                "latency_mean_s": _mean(lat), "latency_p50_s": _pct(lat, 0.5), "latency_p90_s": _pct(lat, 0.9),
-                "ttft_mean_s": _mean([d["ttft"] for d in reqs[c]]), "tpot_mean_ms": 1e3 * _mean(tpot),
+                "latency_mean_s": statistics.fmean(lat), "latency_p50_s": _pct(lat, 0.5),
+                "latency_p90_s": _pct(lat, 0.9), "ttft_mean_s": statistics.fmean([d["ttft"] for d in reqs[c]]),
+                "tpot_mean_ms": 1e3 * statistics.fmean(tpot),
                 "tokens_per_request": tokens / len(lat), "tokens_per_s": tokens / makespan[c],
                 "mean_batch": steps[c][1] / max(1, steps[c][0]), "steps": steps[c][0],
                 "speedup_vs_base": statistics.median(ratios), "speedup_min": min(ratios),
@@ -142,8 +138,7 @@ def run(args) -> list[dict]:
 
 def write(args, rows) -> None:
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
-    env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
-    cmd = env + "python benchmarks/ab_arrivals.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    cmd = command_line("ab_arrivals.py")
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0], "dataset": args.dataset,
             "max_new_tokens": args.max_new_tokens, "max_num_seqs": args.max_num_seqs, "compile": args.compile,
             "stop_at_eos": args.stop_at_eos}
@@ -195,7 +190,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.rates = [float(r) for r in args.rates.split(",") if r]
-    args.batch_sizes = [args.max_num_seqs]
     if len(args.configs) < 2:
         raise SystemExit("falcon-vllm: --configs needs a baseline and at least one configuration to compare")
     if min(args.rates, default=0) <= 0 or args.requests < 1 or args.traces < 1:

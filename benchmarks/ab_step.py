@@ -54,14 +54,13 @@ def proposer_attrs(cfg: str) -> tuple[str, dict]:
     return cfg, key_values(attrs, cfg)
 
 
-def build_engines(args, model: str):
+def build_engines(args, model: str, max_num_seqs: int):
     """One engine per configuration (``args.configs``, ``args.compile``, ``args.drafter``, ...), in this process.
 
     Returns (labels, engines: label -> LLM, switch(label): set that label's proposer attributes, step_count:
     label -> [model steps, seconds in propose_draft_token_ids, requests scheduled over those steps])."""
     from vllm import LLM
 
-    max_num_seqs = getattr(args, "max_num_seqs", 0) or max(args.batch_sizes)
     engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
     labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
     compiled = set(labels) if args.compile == "all" else {c for c in args.compile.split(",") if c}
@@ -103,7 +102,8 @@ def build_engines(args, model: str):
     # slowest request finishes, so max_new_tokens / steps is the tokens per step only at batch 1
     # and the seconds in the runner's propose_draft_token_ids (vLLM's drafter input preparation and the drafter)
     step_count = {}
-    counters = {}  # engine -> [steps, drafting seconds, requests scheduled] (labels sharing an engine count their own generations')
+    # engine -> [steps, drafting seconds, requests scheduled] (labels sharing an engine count their own generations')
+    counters = {}
     for cfg, llm in engines.items():
         if id(llm) in counters:
             step_count[cfg] = counters[id(llm)]
@@ -145,7 +145,7 @@ def run(args) -> list[dict]:
     if any(len(q["turns"]) < last for q in questions):
         raise SystemExit(f"falcon-vllm: --turn {args.turn}: {args.dataset} questions have fewer turns")
     history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    labels, engines, switch, step_count = build_engines(args, model)
+    labels, engines, switch, step_count = build_engines(args, model, max(args.batch_sizes))
     base = labels[0]
     turns = [[chat(h) for h in history]]  # turns[t]: each conversation's prompt at turn t + 1
     for t in range(1, last):  # later turns: the conversation so far, with the baseline's greedy answers
@@ -208,10 +208,15 @@ def _compile_words(compile_arg: str) -> str:
     return f"torch.compile for {compile_arg}, the others eager" if compile_arg else "eager"
 
 
+def command_line(script: str) -> str:
+    """This run's command as the results record it: the caller's measured environment, repository-relative paths."""
+    env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
+    return env + f"python benchmarks/{script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
 def write(args, rows) -> None:
     out = os.path.join(ROOT, "benchmarks", "results", args.name)
-    env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
-    cmd = env + "python benchmarks/ab_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    cmd = command_line("ab_step.py")
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "compile": args.compile}

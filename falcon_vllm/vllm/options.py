@@ -55,7 +55,8 @@ def check_gemm_dtype(choice, source: str = "draft_gemm_dtype") -> None:
 # vLLM's prompt_lookup_min / prompt_lookup_max (ngram's options) turn on prompt lookup first, Falcon
 # otherwise (chain mode, :mod:`falcon_vllm.vllm.lookup`); prompt_lookup_max 0 turns it off.
 FALCON_KEYS = {"tree", "falcon_k", "falcon_tokens", "lookup_tokens", "datastore", "datastore_tokens",
-               "datastore_max_batch", "falcon_max_batch", "draft_gemm_dtype", "draft_temperature_scale", "draft_confidence"}
+               "datastore_max_batch", "falcon_max_batch", "draft_gemm_dtype", "draft_temperature_scale",
+               "draft_confidence"}
 # vLLM options that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
