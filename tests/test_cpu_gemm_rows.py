@@ -29,3 +29,28 @@ def test_the_timed_gemm_is_vllms_and_computes_the_linear():
     best = cpu_gemm_rows.measure([(48, 32), (32, 48)], rows=[1, 3], rounds=1, iters=1)
     assert set(best) == {1, 3} and all(ms > 0 for ms in best.values())
     assert "CPUs" in cpu_gemm_rows.cpu_name()
+
+
+def test_draft_gemm_dtypes_times_the_plugins_matmul_paths():
+    """benchmarks/draft_gemm_dtypes.py: a drafter pass's linear layers from its config (fc fusion, each layer's
+    four projections, the truncated head), and each dtype's path computes x @ W.T (bf16 and int8 within their
+    rounding)."""
+    import json
+
+    import draft_gemm_dtypes as dg
+    from profile_step import DEFAULT_DRAFTER
+
+    with open(os.path.join(DEFAULT_DRAFTER, "config.json")) as f:
+        cfg = json.load(f)
+    shapes = dg.drafter_shapes(cfg)
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    assert shapes[0] == (h, 2 * h) and shapes[-1] == (cfg["draft_vocab_size"], h)
+    assert len(shapes) == 2 + 4 * layers and shapes[1] == (960, 576)  # SmolLM2: (9 + 2 * 3) heads x 64
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64) * 0.05, torch.randn(3, 64)
+    ref = x @ w.T
+    for dtype, tol in (("fp32", 1e-5), ("bf16", 1e-2), ("int8", 2e-2)):
+        out = dg.linear_fn(w, dtype)(x)
+        assert out.dtype == torch.float32 and ((out - ref).norm() / ref.norm()).item() < tol, dtype
+    best = dg.measure([(48, 32), (32, 48)], rows=[1, 2], copies=2, rounds=1)
+    assert set(best) == {(d, m) for d in dg.DTYPES for m in (1, 2)} and all(ms > 0 for ms in best.values())

@@ -70,9 +70,16 @@ def test_draft_gemm_dtype_reaches_the_drafter_config(dirs, monkeypatch):
     assert gemm_dtype("model", torch.float32) is None and gemm_dtype("auto", torch.bfloat16) is None
     assert gemm_dtype("bfloat16", torch.float32) == torch.bfloat16  # (CPU platform here)
     assert gemm_dtype("int8", torch.float32) == gemm_dtype("int8", torch.bfloat16) == torch.int8
-    auto = (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else
-            torch.int8 if torch.cpu._is_vnni_supported() else None)
-    assert gemm_dtype("auto", torch.float32) == auto
+    from falcon_vllm.vllm.model import auto_gemm_dtype
+
+    cpu = torch.cpu
+    assert gemm_dtype("auto", torch.float32) == auto_gemm_dtype(
+        cpu._is_amx_tile_supported(), cpu._is_vnni_supported(), cpu._is_avx512_bf16_supported())
+    # bf16 with AMX; int8 on any other CPU with VNNI (AVX512-BF16 or not); bf16 with AVX512-BF16 alone
+    assert auto_gemm_dtype(True, True, True) == torch.bfloat16
+    assert auto_gemm_dtype(False, True, True) == auto_gemm_dtype(False, True, False) == torch.int8
+    assert auto_gemm_dtype(False, False, True) == torch.bfloat16
+    assert auto_gemm_dtype(False, False, False) is None and auto_gemm_dtype(True, False, False) is None
     with pytest.raises(ValueError, match="must be one of"):
         gemm_dtype("fp8", torch.float32)
 

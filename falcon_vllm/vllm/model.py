@@ -43,9 +43,10 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     speculative config's ``draft_gemm_dtype``, else ``$FALCON_VLLM_DRAFT_GEMM_DTYPE``, else auto (the only
     settings for vLLM's EAGLE proposer running :class:`EagleD2TLlamaForCausalLM`).
 
-    ``auto``: bfloat16 on a CPU with bf16 matmul units (AVX512-BF16 or AMX) serving an fp32 model, whose
-    drafter then reads half the weight bytes per pass; int8 on one without them but with int8 dot-product
-    units (VNNI); the model's dtype otherwise.  ``int8`` (CPU only): int8 weights with a scale per output
+    ``auto``, serving an fp32 model on a CPU: bfloat16 where the CPU has AMX tiles (the drafter then reads half
+    the weight bytes per pass); else int8 where it has int8 dot-product units (VNNI: a quarter of the bytes; on
+    2-core AVX512-BF16 CPUs without AMX the drafter's matmuls ran faster in int8 than in bf16); else bfloat16
+    where it has AVX512-BF16; the model's dtype otherwise.  ``int8`` (CPU only): int8 weights with a scale per output
     channel, inputs quantized per row as they come (vLLM's oneDNN W8A8 kernels), a quarter of fp32's weight
     bytes.  Activations between the matmuls, the KV cache and the outputs keep the model's dtype; drafts
     change slightly, verification not at all, so outputs stay exactly vanilla's."""
@@ -60,10 +61,22 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     if choice == "auto":
         if model_dtype != torch.float32:
             return None
-        if torch.cpu._is_avx512_bf16_supported():
-            return torch.bfloat16
-        return torch.int8 if torch.cpu._is_vnni_supported() else None
+        return auto_gemm_dtype(torch.cpu._is_amx_tile_supported(), torch.cpu._is_vnni_supported(),
+                               torch.cpu._is_avx512_bf16_supported())
     return torch.int8 if choice == "int8" else torch.bfloat16
+
+
+def auto_gemm_dtype(amx: bool, vnni: bool, avx512_bf16: bool) -> torch.dtype | None:
+    """``draft_gemm_dtype`` auto for an fp32 model on a CPU with these units.  The drafter's ten matmuls at 1-9
+    rows, streamed from memory on a 2-core AVX512-BF16 EPYC without AMX, took 0.77-0.85 of bf16's time in int8
+    and 1.5-1.6 times it in fp32 (``benchmarks/draft_gemm_dtypes.py``, ``draft_gemm_dtypes_avx512.md``); in vLLM
+    int8 drafted 0.08-0.19 ms a step faster than bf16 there and 0.9-1.3 ms on a 2-core AVX512-BF16 Xeon without
+    AMX.  With AMX, bf16 (measured faster than fp32 there; int8 unmeasured)."""
+    if amx and avx512_bf16:
+        return torch.bfloat16
+    if vnni:
+        return torch.int8
+    return torch.bfloat16 if avx512_bf16 else None
 
 
 def cast_gemm_weights(modules, dtype: torch.dtype | None) -> None:
