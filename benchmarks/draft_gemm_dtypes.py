@@ -82,6 +82,7 @@ def measure(shapes, rows, copies: int, rounds: int) -> dict[tuple[str, int], flo
 def main(argv=None) -> int:
     from cpu_gemm_rows import cpu_name
     from profile_step import DEFAULT_DRAFTER
+    from report import write_report
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter directory (its config.json gives the shapes)")
@@ -106,9 +107,6 @@ def main(argv=None) -> int:
               "weight_mib_fp32": sum(n * k for n, k in shapes) * 4 / 2**20, "copies": args.copies,
               "auto": {torch.bfloat16: "bf16", torch.int8: "int8", None: "fp32"}[auto],
               "rows": [{"rows": m, **{d: round(best[(d, m)], 3) for d in DTYPES}} for m in rows]}
-    out = os.path.join(HERE, "results", args.name)
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     lines = [f"# A drafter pass's matmuls per draft_gemm_dtype: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {result['machine']}; {result['threads']} torch threads.  The {len(shapes)} linear layers of a "
              f"{result['drafter']} pass ({result['weight_mib_fp32']:.1f} MiB in fp32), {args.copies} copies swept in "
@@ -117,8 +115,7 @@ def main(argv=None) -> int:
              "| rows | fp32 ms | bf16 ms | int8 ms | int8 / bf16 |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['fp32']:.3f} | {r['bf16']:.3f} | {r['int8']:.3f} | {r['int8'] / r['bf16']:.2f} |"
               for r in result["rows"]]
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(os.path.join(HERE, "results"), args.name, result, lines)
     print("\n".join(lines))
     return 0
 
