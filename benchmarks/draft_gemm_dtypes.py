@@ -2,9 +2,9 @@
 """The drafter's matmuls on this CPU in each ``draft_gemm_dtype``: fp32, bf16 and int8, 1 to a few rows.
 
 Every linear layer a drafter pass runs (the fc fusion, each decoder layer's q/k/v, o, gate/up and down, then
-its truncated LM head), each through the path the plugin serves it with: vLLM's CPU GEMM dispatch for fp32 and
-bf16 (bf16 weights, inputs cast to bf16 and outputs back, as ``falcon_vllm.vllm.model.wrap_gemms`` does), and
-``falcon_vllm.vllm.model.int8_linear`` (vLLM's oneDNN W8A8 kernels) for int8.  ``--copies`` drafters' worth of
+its truncated LM head), each through the path the plugin serves it with (``falcon_vllm.vllm.model``'s
+``cast_gemm_weights``, vLLM's CPU GEMM dispatch, then ``wrap_gemms``: bf16 weights with inputs cast to bf16 and
+outputs back, or ``int8_linear``, vLLM's oneDNN W8A8 kernels).  ``--copies`` drafters' worth of
 weights, each its own, are swept in turn, so the weights stream from memory as they do in a real step (where the
 target's weights evict the drafter's from cache).  The time of one drafter's sweep, best of ``--rounds``, the dtypes
 and row counts interleaved so drift hits them alike.  This is what ``draft_gemm_dtype`` auto is chosen from
@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-DTYPES = ("fp32", "bf16", "int8")
+TORCH_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}  # the drafter's matmul dtypes (None: the model's, fp32)
+DTYPES = tuple(TORCH_DTYPES)
 
 
 def drafter_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -39,28 +41,23 @@ def drafter_shapes(cfg: dict) -> list[tuple[int, int]]:
 
 
 def linear_fn(weight, dtype: str):
-    """``x (fp32) -> x @ weight.T`` (fp32) as the plugin runs a drafter matmul in ``dtype``."""
-    import torch
+    """``x (fp32) -> x @ weight.T`` (fp32) through the plugin's own path for a drafter matmul in ``dtype``: the
+    weight cast as the drafter loads it (``cast_gemm_weights``), vLLM's CPU GEMM dispatch as for any linear layer,
+    then the plugin's input casts or int8 kernels (``wrap_gemms``)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    from falcon_vllm.vllm.model import int8_linear
+    from falcon_vllm.vllm.model import cast_gemm_weights, wrap_gemms
 
-    if dtype == "int8":
-        return int8_linear(weight, None)
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(weight.to(torch.bfloat16 if dtype == "bf16" else torch.float32),
-                                      requires_grad=False)
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    inner, w = layer.cpu_linear, layer.weight
-    if dtype == "bf16":
-        return lambda x: inner(x.to(torch.bfloat16), w, None).to(x.dtype)
-    return lambda x: inner(x, w, None)
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    cast_gemm_weights([layer], TORCH_DTYPES[dtype])
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    wrap_gemms(layer)
+    return lambda x: layer.cpu_linear(x, layer.weight, None)
 
 
 def measure(shapes, rows, copies: int, rounds: int) -> dict[tuple[str, int], float]:
     """ms of one drafter's sweep per (dtype, rows), best of ``rounds``."""
-    import torch
-
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) * 0.02 for n, k in shapes] for _ in range(copies)]
     fns = {d: [[(linear_fn(w, d), w.shape[1]) for w in ws] for ws in weights] for d in DTYPES}
@@ -79,7 +76,8 @@ def measure(shapes, rows, copies: int, rounds: int) -> dict[tuple[str, int], flo
     return best
 
 
-def main(argv=None) -> int:
+def main() -> int:
+    from ab_step import command_line
     from cpu_gemm_rows import cpu_name
     from profile_step import DEFAULT_DRAFTER
     from report import write_report
@@ -90,22 +88,18 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=int, default=8, help="drafters' worth of weights swept in turn")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--name", default="draft_gemm_dtypes")
-    args = p.parse_args(argv)
-    import torch
-
+    args = p.parse_args()
     from falcon_vllm.vllm.model import auto_gemm_dtype
 
     with open(os.path.join(args.drafter, "config.json")) as f:
         shapes = drafter_shapes(json.load(f))
     rows = [int(r) for r in args.rows.split(",")]
     best = measure(shapes, rows, args.copies, args.rounds)
-    cpu = torch.cpu
-    auto = auto_gemm_dtype(cpu._is_amx_tile_supported(), cpu._is_vnni_supported(), cpu._is_avx512_bf16_supported())
-    cmd = "python benchmarks/draft_gemm_dtypes.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    auto = {t: d for d, t in TORCH_DTYPES.items()}[auto_gemm_dtype()]
+    cmd = command_line("draft_gemm_dtypes.py")
     result = {"command": cmd, "machine": cpu_name(), "threads": torch.get_num_threads(),
               "drafter": os.path.basename(os.path.normpath(args.drafter)), "linear_layers": len(shapes),
-              "weight_mib_fp32": sum(n * k for n, k in shapes) * 4 / 2**20, "copies": args.copies,
-              "auto": {torch.bfloat16: "bf16", torch.int8: "int8", None: "fp32"}[auto],
+              "weight_mib_fp32": sum(n * k for n, k in shapes) * 4 / 2**20, "copies": args.copies, "auto": auto,
               "rows": [{"rows": m, **{d: round(best[(d, m)], 3) for d in DTYPES}} for m in rows]}
     lines = [f"# A drafter pass's matmuls per draft_gemm_dtype: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {result['machine']}; {result['threads']} torch threads.  The {len(shapes)} linear layers of a "

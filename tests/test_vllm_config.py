@@ -73,7 +73,7 @@ def test_draft_gemm_dtype_reaches_the_drafter_config(dirs, monkeypatch):
     from falcon_vllm.vllm.model import auto_gemm_dtype
 
     cpu = torch.cpu
-    assert gemm_dtype("auto", torch.float32) == auto_gemm_dtype(
+    assert gemm_dtype("auto", torch.float32) == auto_gemm_dtype() == auto_gemm_dtype(
         cpu._is_amx_tile_supported(), cpu._is_vnni_supported(), cpu._is_avx512_bf16_supported())
     # bf16 with AMX; int8 on any other CPU with VNNI (AVX512-BF16 or not); bf16 with AVX512-BF16 alone
     assert auto_gemm_dtype(True, True, True) == torch.bfloat16

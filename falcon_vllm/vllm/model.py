@@ -61,17 +61,20 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     if choice == "auto":
         if model_dtype != torch.float32:
             return None
-        return auto_gemm_dtype(torch.cpu._is_amx_tile_supported(), torch.cpu._is_vnni_supported(),
-                               torch.cpu._is_avx512_bf16_supported())
+        return auto_gemm_dtype()
     return torch.int8 if choice == "int8" else torch.bfloat16
 
 
-def auto_gemm_dtype(amx: bool, vnni: bool, avx512_bf16: bool) -> torch.dtype | None:
-    """``draft_gemm_dtype`` auto for an fp32 model on a CPU with these units.  The drafter's ten matmuls at 1-9
+def auto_gemm_dtype(amx: bool | None = None, vnni: bool | None = None,
+                    avx512_bf16: bool | None = None) -> torch.dtype | None:
+    """``draft_gemm_dtype`` auto for an fp32 model on a CPU with these units (each not given: this CPU's).  The drafter's ten matmuls at 1-9
     rows, streamed from memory on a 2-core AVX512-BF16 EPYC without AMX, took 0.77-0.85 of bf16's time in int8
     and 1.5-1.6 times it in fp32 (``benchmarks/draft_gemm_dtypes.py``, ``draft_gemm_dtypes_avx512.md``); in vLLM
     int8 drafted 0.08-0.19 ms a step faster than bf16 there and 0.9-1.3 ms on a 2-core AVX512-BF16 Xeon without
     AMX.  With AMX, bf16 (measured faster than fp32 there; int8 unmeasured)."""
+    amx = torch.cpu._is_amx_tile_supported() if amx is None else amx
+    vnni = torch.cpu._is_vnni_supported() if vnni is None else vnni
+    avx512_bf16 = torch.cpu._is_avx512_bf16_supported() if avx512_bf16 is None else avx512_bf16
     if amx and avx512_bf16:
         return torch.bfloat16
     if vnni:
