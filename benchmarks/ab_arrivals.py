@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_step import _compile_words, build_engines, command_line  # noqa: E402  (sets the environment first)
 from cpu_gemm_rows import cpu_name  # noqa: E402
 from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT  # noqa: E402
+from report import write_report  # noqa: E402
 
 
 def arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -137,13 +138,10 @@ def run(args) -> list[dict]:
 
 
 def write(args, rows) -> None:
-    out = os.path.join(ROOT, "benchmarks", "results", args.name)
     cmd = command_line("ab_arrivals.py")
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0], "dataset": args.dataset,
             "max_new_tokens": args.max_new_tokens, "max_num_seqs": args.max_num_seqs, "compile": args.compile,
             "stop_at_eos": args.stop_at_eos}
-    with open(out + ".json", "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
     lines = [f"# Serving under Poisson arrivals, in one process: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {meta['machine']}.  {args.traces} traces of {args.requests} requests per rate "
              f"({args.dataset} prompts, greedy, up to {args.max_new_tokens} tokens, "
@@ -162,9 +160,7 @@ def write(args, rows) -> None:
                      f"{r['tokens_per_s']:.1f} | {r['mean_batch']:.2f} | {r['speedup_vs_base']:.3f}x | "
                      f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['speedup_total']:.3f}x | "
                      f"{r['identical_to_base']}/{r['requests']} |")
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}.json and .md")
+    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name, {**meta, "rows": rows}, lines)
 
 
 def main(argv=None) -> None:

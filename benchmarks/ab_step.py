@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_gemm_rows import cpu_name  # noqa: E402
 # its environment, its configuration names
 from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, key_values, spec_for  # noqa: E402
+from report import write_report  # noqa: E402
 
 
 def proposer_attrs(cfg: str) -> tuple[str, dict]:
@@ -215,15 +216,12 @@ def command_line(script: str) -> str:
 
 
 def write(args, rows) -> None:
-    out = os.path.join(ROOT, "benchmarks", "results", args.name)
     cmd = command_line("ab_step.py")
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "compile": args.compile}
     decoding = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}" + (
         f", top-p {args.top_p:g}" if args.top_p < 1 else "")
-    with open(out + ".json", "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {meta['machine']}.  All engines in one process; {args.pairs} alternating generations of "
              f"{args.max_new_tokens} tokens{' per turn' if args.turn == 0 else ''} per configuration and batch size "
@@ -247,9 +245,7 @@ def write(args, rows) -> None:
                      f"{r['tokens_per_generation']:.1f} | "
                      f"{r['steps_per_generation']:.1f} | {r['ms_per_step']:.1f} | {r['drafting_ms_per_step']:.2f} | "
                      f"{'- (sampled)' if r['identical_to_base'] is None else r['identical_to_base']} |")
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}.json and .md")
+    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name, {**meta, "rows": rows}, lines)
 
 
 def main(argv=None) -> None:

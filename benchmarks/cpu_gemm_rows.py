@@ -15,7 +15,6 @@ decode step there (and explains speedups that differ between machines).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -112,9 +111,6 @@ def main(argv=None) -> int:
               "target": os.path.basename(os.path.normpath(target)), "projections": len(shapes),
               "weight_mb": sum(n * k for n, k in shapes) * 4 / 2**20,
               "rows": [{"rows": m, "ms": round(best[m], 3), "vs_first": round(best[m] / base, 3)} for m in rows]}
-    out = os.path.join(HERE, "results", args.name)
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     lines = [f"# vLLM CPU linear cost against rows: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {result['machine']}; {result['threads']} torch threads.  Every projection of "
              f"{result['target']} ({len(shapes)} weights, {result['weight_mb']:.0f} MiB fp32, each its own) through "
@@ -122,8 +118,9 @@ def main(argv=None) -> int:
              f"{args.rounds} rounds.  Attention, norms and the rest of a step are not included.", "",
              f"| rows M | ms per sweep | vs M={rows[0]} |", "|---|---|---|"]
     lines += [f"| {r['rows']} | {r['ms']:.2f} | {r['vs_first']:.2f}x |" for r in result["rows"]]
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    from report import write_report
+
+    write_report(os.path.join(HERE, "results"), args.name, result, lines)
     print("\n".join(lines))
     return 0
 

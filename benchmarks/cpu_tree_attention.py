@@ -120,12 +120,9 @@ def main(argv=None) -> None:
             row["this_over_other"] = row["this_us"] / row["other_us"]
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    out = os.path.join(ROOT, "benchmarks", "results", args.name)
     cmd = "python benchmarks/cpu_tree_attention.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     if args.compare:
         cmd = cmd.replace(args.compare, "<checkout of the older commit>")
-    with open(out + ".json", "w") as f:
-        json.dump({"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": rows}, f, indent=1)
     cols = ["other_us", "this_us", "this_over_other"] if args.compare else ["this_us"]
     lines = [f"# CPU tree attention per layer: {args.name}", "", f"Command: `{cmd}`", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, one thread; median of {args.repeats} forwards of "
@@ -134,9 +131,10 @@ def main(argv=None) -> None:
     for r in rows:
         lines.append(f"| {r['B']} | {r['W']} | {r['P']} | " + " | ".join(
             f"{r[c]:.2f}x" if c == "this_over_other" else f"{r[c]:.0f}" for c in cols) + " |")
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}.json and .md")
+    from report import write_report
+
+    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name,
+                 {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": rows}, lines)
 
 
 if __name__ == "__main__":

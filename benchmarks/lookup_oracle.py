@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cpu_gemm_rows import cpu_name  # noqa: E402
 from profile_step import ROOT  # noqa: E402  (its environment: in-process engine, offline)
+from report import write_report  # noqa: E402
 from serving_sim import accepted  # noqa: E402
 
 
@@ -235,11 +236,7 @@ def main(argv=None) -> None:
         store = Datastore.load(args.datastore)
     res = {ds: score(r, store) for ds, r in runs.items()}
     cmd = "python benchmarks/lookup_oracle.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out = os.path.join(ROOT, "benchmarks", "results", args.name)
     gates = {ds: gated(r) for ds, r in runs.items()} if args.gated else None
-    with open(out + ".json", "w") as f:
-        json.dump({"command": cmd, "machine": cpu_name(), "results": res} | ({"gated": gates} if gates else {}), f,
-                  indent=1)
     policies = list(next(iter(res.values()))["accepted_per_step"])
     chain = max(len(step[2]) for r in runs.values() for run in r for step in run["steps"])
     lines = [f"# Prompt lookup against the drafter's chain, per step: {args.name}", "", f"Command: `{cmd}`", "",
@@ -275,9 +272,8 @@ def main(argv=None) -> None:
             for c in g["calibration"]:
                 lines.append(f"| {ds} | {c['position']} | {c['bin'][0]:.1f}-{c['bin'][1]:.1f} | {c['count']} | "
                              f"{c['accepted']:.3f} |")
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}.json and .md")
+    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name,
+                 {"command": cmd, "machine": cpu_name(), "results": res} | ({"gated": gates} if gates else {}), lines)
 
 
 if __name__ == "__main__":
