@@ -150,8 +150,100 @@ def test_no_drafts_step_is_a_vanilla_step(engines, ckpts, monkeypatch):
     skipped = drafter_of(llm).skipped_steps
     assert seeded(llm, PROMPTS) == ref
     assert calls == [] and drafter_of(llm).skipped_steps > skipped
-    seeded(llm, PROMPTS[:1])  # batch 1 drafts a 40-node tree: the tree sampler serves it
+    from vllm import SamplingParams
+
+    # batch 1 drafts a 40-node tree: the tree sampler serves an unseeded sampled request
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0.9), use_tqdm=False)
     assert "tree" in calls
+
+
+def test_schedule_near_max_model_len(engines):
+    """tuned_k3 drafts 12 nodes at batch 3 and 40 at batch 1.  A request within 40 tokens of max_model_len makes
+    vLLM skip the drafter (it hands the scheduler 40 zero tokens per request); when its batch-mates finish in such a
+    step, the scheduler widened those zeros to 40 nodes against the 12-node tree drafted last: the step crashed
+    pairing 40 rows with 12 depths.  Now such steps verify no drafts, and the outputs are vanilla's."""
+    from vllm import SamplingParams
+
+    long = [(31 * i) % 20000 + 100 for i in range(470)]                 # 470 + 42 = max_model_len 512
+    prompts = [{"prompt_token_ids": long}, {"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": PROMPTS[3]}]
+    params = [SamplingParams(max_tokens=42, temperature=0, ignore_eos=True)] + [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5)]
+
+    def run(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(engines.get("vanilla"))
+    llm = engines.get("tuned_k3")
+    before = spec_counters(llm)
+    assert run(llm) == want
+    d = counter_delta(spec_counters(llm), before)
+    assert d["num_drafts"] > 0 and d["num_draft_tokens"] < 40 * d["num_drafts"]  # the step at batch 3 drafted 12
+
+
+@pytest.mark.parametrize("name", ["llama", "tuned_k3"])
+def test_seeded_requests_do_not_depend_on_their_batch_mates(engines, ckpts, name):
+    """vLLM gives a seeded request the same tokens whatever it is batched with.  Tree mode serves seeded sampled
+    requests without drafts: alone, beside others and in vanilla's batch of 8 they give vanilla's tokens.  Before,
+    their trees (whose width follows the batch size) and vLLM's sampler over every root row drew from their
+    generators."""
+    ref = ckpts.get("vanilla_seeded")
+    if ref is None:
+        pytest.skip("needs test_vanilla_reference")
+    llm = engines.get(name)
+    assert seeded(llm, PROMPTS[:1]) == ref[:1]
+    assert seeded(llm, PROMPTS[:3]) == ref[:3]
+    assert seeded(llm, PROMPTS) == ref
+
+
+def _set_logprobs_mode(llm, mode):
+    runner = runner_of(llm)
+    runner.sampler.logprobs_mode = runner.sampler.topk_topp_sampler.logprobs_mode = mode
+
+
+def test_logprobs_modes_and_given_token_ids_match_vanilla(engines, ckpts):
+    """Tree steps honour the engine's ``logprobs_mode`` as vLLM's sampler does (they always returned raw
+    logprobs), and a request asking only for given token ids gets them (it got None)."""
+    from vllm import SamplingParams
+
+    from falcon_vllm.verify import probs_from_logits
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    given = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprob_token_ids=[5, 77, 300])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+
+    def run(llm, mode, params):
+        _set_logprobs_mode(llm, mode)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            _set_logprobs_mode(llm, "raw_logprobs")
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+    vanilla = engines.get("vanilla")
+    want = {mode: run(vanilla, mode, greedy) for mode in ("raw_logits", "processed_logprobs")}
+    want_given = run(vanilla, "raw_logprobs", given)
+    llm = engines.get("llama")
+    for mode, ref in want.items():
+        for (toks, lps), (rtoks, rlps) in zip(run(llm, mode, greedy), ref):
+            assert toks == rtoks and len(lps) == len(rlps) == 12
+            for g, r in zip(lps, rlps):
+                assert set(g) == set(r) and all(abs(g[t].logprob - r[t].logprob) < 1e-3 for t in r), (mode, g, r)
+    for (toks, lps), (rtoks, rlps) in zip(run(llm, "raw_logprobs", given), want_given):
+        assert toks == rtoks and lps is not None and len(lps) == 12
+        for g, r in zip(lps, rlps):
+            assert set(g) == set(r) and all(abs(g[t].logprob - r[t].logprob) < 1e-3 for t in r)
+    # processed logprobs of sampled tree steps: the target's distribution after temperature and top-k
+    sampled = SamplingParams(max_tokens=12, temperature=0.7, top_k=5, ignore_eos=True, logprobs=6)
+    before = spec_counters(llm)
+    for prompt, (toks, lps) in zip(PROMPTS[:3], run(llm, "processed_logprobs", sampled)):
+        assert counter_delta(spec_counters(llm), before)["num_drafts"] > 0
+        with torch.no_grad():
+            logits = ckpts["rnd"](torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1:]
+        probs = probs_from_logits(logits, 0.7, 5)
+        for j, (t, step) in enumerate(zip(toks, lps)):
+            finite = [v.logprob for v in step.values() if v.logprob > -1e30]
+            assert len(finite) == 5 and abs(sum(math.exp(x) for x in finite) - 1) < 1e-3, step
+            assert abs(step[t].logprob - math.log(float(probs[j, t]))) < 1e-3
 
 
 def test_logprobs_match_vanilla(engines, ckpts):

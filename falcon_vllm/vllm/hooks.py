@@ -189,6 +189,8 @@ def _propose_draft_token_ids(orig):
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafter = falcon_proposer(self)
+        if drafter is not None:
+            drafter.proposed = True  # (take_draft_token_ids tells this step from one where vLLM ran no drafter)
         K = scheduler_output.num_spec_tokens_to_schedule
         if drafter is None or K != 0 and drafter.lookup is None and not drafter.draft_confidence:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -206,23 +208,31 @@ def _propose_draft_token_ids(orig):
                         drafter.gap_steps += 1
                     return drafter.lookup.merge([[] for _ in range(B)])[0]
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            drafter.note_drops()
             if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
                 chain = drafter.cut(chain)
-            if drafter.lookup is None:
-                return chain
-            drafts, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
-            return drafts
+            if drafter.lookup is not None:
+                chain, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
+            return without_seeded(self, chain)
         skip_drafter(self, drafter, sampled_token_ids)
         if drafter.lookup is not None:
             keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
         drafter.skipped_steps += 1
         return torch.empty(B, 0, dtype=torch.int64, device=self.device)
 
+    def without_seeded(self, drafts: list[list[int]]) -> list[list[int]]:
+        """No drafts for seeded sampled requests: whether one gets a lookup draft, a chain or nothing, and how long,
+        depends on its batch-mates here, and so would its draws from its generator; without drafts it draws exactly
+        as vanilla vLLM does, whatever it is batched with."""
+        gens = self.input_batch.generators
+        return [[] if i in gens else d for i, d in enumerate(drafts)] if gens else drafts
+
     def keep_rows(self, drafter, sampled_token_ids, args, kwargs, B) -> None:
         """A step without a drafter pass: the verified rows wait for the next one, else the request has a gap."""
         hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
         kept = drafter.keep_gap_rows(self, hidden, sampled_token_ids)
-        drafter.lookup.skipped([r for r in self.input_batch.req_ids[:B] if r not in kept])
+        drafter.note_drops()
+        drafter.lookup.skipped([r for r in self.input_batch.req_ids[:B] if r not in kept], self.requests)
 
     def skip_drafter(self, drafter, sampled_token_ids) -> None:
         """What vLLM does when it skips the drafter: the valid-token count of async scheduling."""

@@ -114,13 +114,21 @@ class LookupState:
         req_ids = list(batch.req_ids[:B])
         self.drafts = self.draft(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:B], sampled,
                                  ~discard, k, runner.max_model_len)
-        self.gapped.intersection_update(req_ids)  # finished requests leave
+        self.prune(getattr(runner, "requests", req_ids))
         self.lookup_only = self.falcon_max_batch is not None and B > self.falcon_max_batch
         self.withheld = [self.lookup_only or r in self.gapped for r in req_ids]
 
-    def skipped(self, req_ids) -> None:
-        """A step ran with drafting off and kept none of these requests' rows: their drafter KV now has a gap."""
+    def skipped(self, req_ids, alive=None) -> None:
+        """A step ran with drafting off and kept none of these requests' rows: their drafter KV now has a gap.
+        ``alive``: the runner's live requests (scheduled or not), to forget the finished ones."""
         self.gapped.update(req_ids)
+        if alive is not None:
+            self.prune(alive)
+
+    def prune(self, alive) -> None:
+        """Forget the gaps of finished requests (``alive``: every request the runner still holds, scheduled this
+        step or not: a request left out of one step keeps its gap)."""
+        self.gapped.intersection_update(alive)
 
     @property
     def all_withheld(self) -> bool:
@@ -171,9 +179,10 @@ class LookupState:
         self.falcon_drafts += sum(1 for d, w in zip(drafts, withheld) if not d and not w)
         self.drafts = self.withheld = None
         if probs is not None and n:
-            width = max(len(d) for d in out)
+            width = max(len(d) for d in out)  # may be below the chain's K: every draft shorter (a gap, short lookups)
             merged = probs.new_zeros(probs.shape[0], width, probs.shape[2])
-            merged[:, :probs.shape[1]] = probs
+            w = min(width, probs.shape[1])
+            merged[:, :w] = probs[:, :w]
             for i, d in enumerate(drafts):
                 if d:
                     merged[i] = 0.0

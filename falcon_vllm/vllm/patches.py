@@ -67,7 +67,7 @@ PATCHES = (
           "tree mode: the target attention of the forward sees the ancestor mask"),
     Patch(_RUNNER, "sample_tokens", ("self", "grammar_output"), "tree mode: the step's hidden states for compaction"),
     Patch(_RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"), "tree mode: the tree sampler"),
-    Patch(_RUNNER, "take_draft_token_ids", ("self",), "tree mode: no drafts for requests it cannot verify exactly"),
+    Patch(_RUNNER, "take_draft_token_ids", ("self",), "no drafts where vLLM ran no drafter; tree mode: none for requests it cannot verify exactly"),
     Patch("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward",
           ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
           "tree attention (target tree rows, drafter tree passes) on CPU"),

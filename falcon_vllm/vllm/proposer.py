@@ -118,6 +118,7 @@ class FalconProposer(EagleProposer):
         self.draft_temperature_scale = float((self.falcon or {}).get("draft_temperature_scale", 1.0))
         # draft_confidence: a chain draft stops where the drafter's probability of it so far falls below this
         self.draft_confidence = float((self.falcon or {}).get("draft_confidence", 0.0))
+        self.proposed = False  # the runner asked for this step's drafts (set by the runner hook)
         self.draft_lengths: list[int] | None = None  # this step's chain lengths under draft_confidence
         self.last_confidence: torch.Tensor | None = None  # [B, K]: the drafter's probability of each chain token
         if not self.falcon:
@@ -205,8 +206,9 @@ class FalconProposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         ids, feats, positions, known = self._relaxed_block_inputs(cad, last.long(), B)
         drafting = self.lookup is None or not self.lookup.all_matched  # else every request has a lookup draft
-        pending = self._stash.max_rows() if self._stash.pending else 0  # rows deferred or kept steps left
-        fused = self.fuse_chunk and num_tokens + B * (k + pending) <= self.input_ids.shape[0]
+        # rows deferred or kept by earlier steps, which the fused pass runs before this step's chunk
+        pending = self._stash.total_rows(self._step_slots.tolist()) if self._stash.pending else 0
+        fused = self.fuse_chunk and num_tokens + B * k + pending <= self.input_ids.shape[0]
         if pending and not fused:  # only a fused pass runs pending rows: whose rows are dropped have a gap
             self._drop_pending(B)
         if fused and not drafting and self.defer_chunk and self._defer(cad, last.long(), B):
@@ -485,6 +487,18 @@ class FalconProposer(EagleProposer):
                 kept.add(r)
         return kept
 
+    def take_proposed(self) -> bool:
+        """Whether the runner asked for drafts since the last call (it skips the drafter near max_model_len)."""
+        proposed, self.proposed = self.proposed, False
+        return proposed
+
+    def note_drops(self) -> None:
+        """Mark the requests whose pending rows the stash dropped unrun (``BlockInputStash.dropped``): their drafter
+        K/V has a gap, so they get no drafter chain (``LookupState.gapped``)."""
+        dropped = self._stash.drain_dropped()
+        if dropped and self.lookup is not None:
+            self.lookup.gapped.update(r for r in dropped if r in self._runner.requests)
+
     def _drop_pending(self, B: int) -> None:
         """Drop the step's requests' pending rows (they do not fit one fused pass): their drafter K/V has a gap."""
         for r, s in zip(self._req_ids(B), self._step_slots.tolist()):
@@ -563,8 +577,12 @@ class FalconProposer(EagleProposer):
             t = sm.temperature
             sm = dataclasses.replace(sm, temperature=torch.where(t < _SAMPLING_EPS, t, (t * s).clamp_min(1e-3)))
         ids, p = self._sample_from_logits(logits, sm)          # per-request temperature, k rows each
-        for i, gen in sampling_metadata.generators.items():  # a seeded request draws from its own generator, so its
-            if i < B:                                        # output repeats whatever else the engine runs
+        # plain chain mode: a seeded request draws its drafts from its own generator, so its output repeats whatever
+        # else the engine runs.  With prompt lookup or draft_confidence its drafts are dropped (the runner hook's
+        # without_seeded): its generator is left to vLLM's sampler alone
+        plain_chain = self.lookup is None and not self.draft_confidence
+        for i, gen in (sampling_metadata.generators.items() if plain_chain else ()):
+            if i < B:
                 r = slice(i * k, (i + 1) * k)
                 ids[r] = (p[r] / torch.empty_like(p[r]).exponential_(generator=gen)).argmax(-1)
         if conf is not None:

@@ -41,6 +41,24 @@ class BlockInputStash:
         # following the one before, oldest first; a row's level offset is taken from its request's end when it was
         # verified, as a pass then would
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]] = {}
+        # slots whose pending rows were dropped unrun since the owner last drained them (their drafter K/V has a
+        # gap: FalconProposer._note_drops marks those requests)
+        self.dropped: set[int] = set()
+
+    def owner(self, slot: int) -> str | None:
+        """The request id that holds ``slot`` (None: free)."""
+        return next((r for r, s in self._slot_of.items() if s == slot), None)
+
+    def drain_dropped(self) -> list[str]:
+        """The requests whose pending rows were dropped unrun since the last call."""
+        owners = {s: r for r, s in self._slot_of.items()}
+        out = [owners[s] for s in self.dropped if s in owners]
+        self.dropped.clear()
+        return out
+
+    def _drop(self, slot: int) -> None:
+        if self.pending.pop(slot, None) is not None:
+            self.dropped.add(slot)
 
     def slots(self, req_ids: list[str | None], device) -> torch.Tensor:
         """Slot index per batch row [B] (new requests get a fresh, empty slot)."""
@@ -61,8 +79,9 @@ class BlockInputStash:
             else:
                 self._slot_of.move_to_end(r)
             out.append(s)
-        for s in fresh:
+        for s in fresh:  # a fresh request, or an evicted one's slot: whatever it held is not this request's
             self.pending.pop(s, None)
+            self.dropped.discard(s)
         if fresh:
             self.num_valid[torch.tensor(fresh, device=self.num_valid.device)] = 0
         return torch.tensor(out, dtype=torch.long, device=device)
@@ -92,13 +111,17 @@ class BlockInputStash:
         self.num_valid[slots] = known[:, 1:].long().sum(1)
 
     def retain(self, slots: list[int]) -> None:
-        """Drop the pending rows of requests outside this step (finished, or no longer in the batch)."""
+        """Drop the pending rows of requests outside this step (finished, or left out of this step: ``dropped``)."""
         for s in set(self.pending).difference(slots):
-            del self.pending[s]
+            self._drop(s)
 
     def num_rows(self, slot: int) -> int:
         """The pending rows of ``slot``."""
         return sum(len(piece[0]) for piece in self.pending.get(slot, ()))
+
+    def total_rows(self, slots) -> int:
+        """The pending rows of all of ``slots``."""
+        return sum(self.num_rows(s) for s in set(slots))
 
     def max_rows(self) -> int:
         """The most pending rows any request holds."""
@@ -121,6 +144,9 @@ class BlockInputStash:
             if len(piece[0]) + (self.num_rows(s) if follows else 0) > cap:
                 return False
             merged.append((s, self.pending[s] + [piece] if follows else [piece]))
+        for s, pieces in merged:
+            if s in self.pending and len(pieces) == 1:  # replaced: the old rows stay unwritten
+                self.dropped.add(s)
         self.pending.update(merged)
         return True
 
@@ -130,7 +156,7 @@ class BlockInputStash:
         has a gap."""
         follows = self._end(slot) in (None, piece[3])
         if not follows or len(piece[0]) + self.num_rows(slot) > cap:
-            self.pending.pop(slot, None)
+            self._drop(slot)  # (the caller marks the request: keep returned False)
             return False
         self.pending.setdefault(slot, []).append(piece)
         ids, feats, first = piece[0], piece[1], piece[3]
@@ -152,8 +178,8 @@ class BlockInputStash:
         positions [P]) of the rows to run, or None; every slot's pending rows are cleared."""
         out = []
         for b, (s, c, e) in enumerate(zip(slots, chunk_start, block_start)):
-            if self._end(s) != c:
-                self.pending.pop(s, None)
+            if self._end(s) != c:  # rows that do not meet the chunk cannot run causally before it
+                self._drop(s)
                 continue
             pieces = self.pending.pop(s)
             ids, feats, offs = (torch.cat([p[i] for p in pieces]) for i in range(3))

@@ -31,6 +31,7 @@ All hooks check for the proposer's tree state; runners without a Falcon tree are
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,8 @@ from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_t
 from falcon_vllm.vllm import patches
 from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, to_device, tree_attention_scope
 from falcon_vllm.vllm.tree_draft import TreeState, cuda_tree_kernel
+
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
 # ---------------------------------------------------------------------------- start-up
@@ -316,11 +319,14 @@ def tree_drafts_for(sp) -> bool:
     """Whether the tree sampler computes exactly what vLLM's sampler would for a request with these
     sampling params: temperature, top-k and top-p only.  Any other feature (penalties, min_p, min_tokens,
     logit_bias, allowed / bad words, structured output, thinking budget) turns drafting off for that
-    request: it is sampled by vLLM's own sampler, one token per step, while the batch keeps its trees."""
+    request: it is sampled by vLLM's own sampler, one token per step, while the batch keeps its trees.
+    So does a seed at temperature > 0: the tree it would verify (its width follows the batch size) and so its
+    draws from its generator would depend on its batch-mates; sampled plainly, it draws as vanilla vLLM does."""
     return sp is not None and not (
         sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_p or sp.min_tokens
         or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs is not None
-        or getattr(sp, "thinking_token_budget", None) is not None)
+        or getattr(sp, "thinking_token_budget", None) is not None
+        or (sp.seed is not None and sp.temperature >= _SAMPLING_EPS))
 
 
 def _plain_requests(runner, widths) -> list[int]:
@@ -393,7 +399,17 @@ def tree_sample(runner, state: TreeState, step: TreeStep, logits: torch.Tensor, 
     if plain:  # vLLM's own sampler on every request's root row, exactly a non-speculative step
         roots = torch.from_numpy(cu_s - widths - 1).to(dev)
         idx = torch.tensor(plain, dtype=torch.long, device=dev)
-        out[idx, 0] = runner.sampler(logits[roots], sm).sampled_token_ids[idx, 0].to(torch.int32)
+        # it draws from every seeded request's generator: the tree requests' draws are given back
+        saved = {i: g.get_state() for i, g in (sm.generators or {}).items() if i not in plain}
+        # with logprobs: every root row's, in the runner's logprobs_mode, as vanilla's sampler gives them
+        res = runner.sampler(logits[roots], sm if sm.max_num_logprobs is None else
+                             dataclasses.replace(sm, max_num_logprobs=-1))
+        out[idx, 0] = res.sampled_token_ids[idx, 0].to(torch.int32)
+        plain_lp = None if res.logprobs_tensors is None else res.logprobs_tensors.logprobs[idx]
+        for i, st in saved.items():
+            sm.generators[i].set_state(st)
+    else:
+        plain_lp = None
     temp = None if sm.all_greedy or sm.temperature is None else sm.temperature
     gens = sm.generators or {}
     paths: dict[int, list[int]] = {}
@@ -417,26 +433,42 @@ def tree_sample(runner, state: TreeState, step: TreeStep, logits: torch.Tensor, 
                 paths[r] = accepted[i]
     logprobs = None
     if sm.max_num_logprobs is not None:
-        logprobs = _logprobs(runner, logits, out, cu_s - widths - 1, paths, sm.max_num_logprobs)
+        logprobs = _logprobs(runner, sm, logits, out, cu_s - widths - 1, paths, plain, plain_lp)
     if paths:
         _compact(runner, state, step, paths)
     state.record(widths, paths)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
 
-def _logprobs(runner, logits, out, starts, paths, num_logprobs):
-    """Target logprobs of every emitted token (and the top ``num_logprobs``), in vLLM's layout.
+def _logprobs(runner, sm, logits, out, starts, paths, plain, plain_lp):
+    """Target logprobs of every emitted token (and the top ``sm.max_num_logprobs``), in vLLM's layout and in the
+    runner's ``logprobs_mode``, as vLLM's sampler computes them.
 
     Output column j of a request was predicted at the slot before it on the accepted path (the
-    root for j = 0), so its logits row is that slot's.
+    root for j = 0), so its logits row is that slot's.  Raw modes read the target's logits; processed modes read
+    them after the request's temperature, top-k and top-p (a greedy request: temperature 1), which are all the
+    processing a tree request has (``tree_drafts_for``).  A plain request's row (``plain``) is the one vLLM's
+    sampler returned for it (``plain_lp``), its logits processors applied.
     """
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
     B, width = out.shape
     rows = np.repeat(np.asarray(starts, dtype=np.int64)[:, None], width, 1)
     for r, path in paths.items():
         rows[r, 1: len(path) + 1] += np.asarray(path)
-    lg = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)]
-    lp = runner.sampler.compute_logprobs(lg)
-    return runner.sampler.gather_logprobs(lp, num_logprobs, out.reshape(-1).clamp(min=0).long())
+    lg = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)].float()
+    mode = runner.sampler.logprobs_mode
+    if mode.startswith("processed"):
+        per_row = lambda x: None if x is None else x.repeat_interleave(width)  # noqa: E731
+        if sm.temperature is not None:
+            lg = lg.div_(per_row(torch.where(sm.temperature < _SAMPLING_EPS, 1.0, sm.temperature)).unsqueeze(1))
+        lg = apply_top_k_top_p(lg, per_row(sm.top_k), per_row(sm.top_p))
+    lp = lg if mode.endswith("logits") else runner.sampler.compute_logprobs(lg)
+    if plain and plain_lp is not None:
+        lp = lp.view(B, width, -1)
+        lp[torch.tensor(plain, device=lp.device), 0] = plain_lp.to(lp.dtype)
+        lp = lp.view(B * width, -1)
+    return runner.sampler.gather_logprobs(lp, sm.max_num_logprobs, out.reshape(-1).clamp(min=0).long())
 
 
 def _compact(runner, state: TreeState, step: TreeStep, paths: dict[int, list[int]]) -> None:
@@ -563,8 +595,26 @@ def _sample(orig):
 
 
 def _take_draft_token_ids(orig):
+    from falcon_vllm.vllm.proposer import falcon_proposer  # (proposer imports this module)
+
     def take_draft_token_ids(self):
         out = orig(self)
+        drafter = falcon_proposer(self)
+        if drafter is not None and not drafter.take_proposed():
+            # vLLM ran no drafter this step (a request of the batch is within K tokens of max_model_len) and hands
+            # the scheduler K zero tokens per request: schedule none instead.  A tree would pair its width with the
+            # previous step's smaller subtree; a chain would verify K tokens that cannot be accepted.  The step's
+            # verified rows reach no drafter pass: those requests' drafter K/V has a gap.
+            if drafter.lookup is not None:
+                drafter.lookup.skipped(list(self.input_batch.req_ids), self.requests)
+            if out is not None:
+                out.draft_token_ids = [[] for _ in out.req_ids]
+            return out
+        if out is not None and self.input_batch.logprob_token_ids:
+            # a request asks for the logprobs of given token ids: only vLLM's plain sampler returns them (its
+            # rejection sampler and the tree sampler do not), so the step after this one verifies no drafts
+            out.draft_token_ids = [[] for _ in out.req_ids]
+            return out
         if out is not None and tree_state(self) is not None:
             # requests the tree sampler cannot serve exactly get no speculative tokens scheduled
             custom = _custom_logitsprocs(self)
