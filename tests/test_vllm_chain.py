@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
-                             reference_drafts, runner_of, save_target, seeded, spec_counters)
+                             reference_drafts, runner_of, save_target, seeded, spec_counters, structured)
 
 from falcon_vllm.testing import (context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama,
                                  truncate_head)
@@ -984,6 +984,19 @@ def test_seeded_requests_with_lookup_do_not_depend_on_their_batch_mates(engines,
     assert seeded(llm, prompts[:1]) == ref[:1]
     assert seeded(llm, prompts[:3]) == ref[:3]
     assert seeded(llm, prompts) == ref
+
+
+@pytest.mark.parametrize("name", ["falcon_rnd_k3", "falcon_rnd_lookup"])
+def test_structured_output_matches_vanilla(engines, ckpts, name):
+    """A choice, a JSON schema and a regex, greedy, beside an unconstrained request: vanilla's tokens, with the
+    drafter's chain and with prompt lookup (vLLM's scheduler checks drafts against each request's grammar)."""
+    if "structured" not in ckpts:
+        ckpts["structured"] = structured(engines.get("vanilla_rnd"))
+    want = ckpts["structured"]
+    llm = engines.get(name)
+    before = spec_counters(llm)
+    assert structured(llm) == want
+    assert counter_delta(spec_counters(llm), before)["num_drafts"] > 0
 
 
 def test_sampling_is_lossless_with_prompt_lookup(engines, ckpts):

@@ -52,6 +52,53 @@ def vanilla(prompts):
         shutdown_llm(llm)
 
 
+def _wave(llm, prompts):
+    """The shipped default's traffic: greedy requests of staggered lengths (the batch shrinks 4 -> 1, across the
+    schedule's batch-size boundary), then a concurrent sampled wave of 8, half of them seeded -> (greedy tokens,
+    seeded tokens, sampled lengths)."""
+    from vllm import SamplingParams
+
+    greedy = [SamplingParams(max_tokens=8 * (i + 1), temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    wave = [SamplingParams(max_tokens=12 + 4 * i, temperature=0.8, top_p=0.95, ignore_eos=True,
+                           seed=10 + i if i % 2 else None) for i in range(8)]
+    sampled = llm.generate([{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(8)], wave, use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [list(o.outputs[0].token_ids) for i, o in enumerate(sampled) if i % 2],
+            [len(o.outputs[0].token_ids) for o in sampled])
+
+
+@pytest.fixture(scope="module")
+def vanilla_wave(prompts):
+    llm = make_llm(model_path(), None, max_model_len=1024, max_num_seqs=4)
+    try:
+        return _wave(llm, prompts)
+    finally:
+        shutdown_llm(llm)
+
+
+def test_shipped_serving_json_as_shipped(prompts, vanilla_wave):
+    """The bare ``{"method": "falcon"}``: the shipped drafter with its serving.json (prompt lookup, the datastore, the
+    per-batch-size schedule, sampled drafts).  Greedy requests whose batch crosses the schedule's boundary give
+    vanilla's tokens; in a concurrent sampled wave every request completes, and the seeded ones give vanilla's
+    tokens (they are served without drafts)."""
+    llm = make_llm(model_path(), {"method": "falcon"}, max_model_len=1024, max_num_seqs=4)
+    try:
+        prop = drafter_of(llm)
+        sc = llm.llm_engine.vllm_config.speculative_config
+        assert prop.lookup is not None and prop.lookup.store is not None            # lookup and the datastore
+        assert prop._enable_probabilistic_draft_probs                               # sampled drafts
+        assert sc.num_speculative_tokens_per_batch_size                             # the schedule
+        before = spec_counters(llm)
+        greedy, seeded_toks, lengths = _wave(llm, prompts)
+        assert greedy == vanilla_wave[0]
+        assert seeded_toks == vanilla_wave[1]
+        assert lengths == vanilla_wave[2] == [12 + 4 * i for i in range(8)]
+        assert spec_counters(llm)["num_drafts"] > before["num_drafts"]
+    finally:
+        shutdown_llm(llm)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_shipped_drafter_greedy_identical(prompts, vanilla, batch):
     llm = make_llm(model_path(), {"method": "falcon", "num_speculative_tokens": 4},

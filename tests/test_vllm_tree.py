@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
-                             reference_drafts, runner_of, save_target, seeded, spec_counters)
+                             reference_drafts, runner_of, save_target, seeded, spec_counters, structured)
 
 from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
@@ -193,6 +193,16 @@ def test_seeded_requests_do_not_depend_on_their_batch_mates(engines, ckpts, name
     assert seeded(llm, PROMPTS[:1]) == ref[:1]
     assert seeded(llm, PROMPTS[:3]) == ref[:3]
     assert seeded(llm, PROMPTS) == ref
+
+
+def test_structured_output_matches_vanilla(engines):
+    """A choice, a JSON schema and a regex, greedy, beside an unconstrained request that drafts trees: vanilla's
+    tokens (structured requests are sampled by vLLM's own sampler, without drafts)."""
+    want = structured(engines.get("vanilla"))
+    llm = engines.get("llama")
+    before = spec_counters(llm)
+    assert structured(llm) == want
+    assert counter_delta(spec_counters(llm), before)["num_drafts"] > 0
 
 
 def _set_logprobs_mode(llm, mode):

@@ -131,3 +131,19 @@ def reference_drafts(engine, prompt, n):
         return engine.generate(prompt, max_new_tokens=n).tokens, drafts
     finally:
         del engine._draft
+
+
+def structured(llm):
+    """Greedy structured output (a choice, a JSON schema, a regex) beside an unconstrained greedy request (which
+    drafts) -> each request's token ids."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams as S
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+              "required": ["n", "s"]}
+    specs = [S(choice=["alpha", "beta", "gamma delta"]), S(json=schema), S(regex=r"[a-z]{3,6}-[0-9]{2,4}")]
+    prompts = [[11, 12, 13], list(range(200, 237)), [5] * 9, [7, 8, 7, 8, 7, 8]]
+    sps = [SamplingParams(max_tokens=32, temperature=0, structured_outputs=s) for s in specs]
+    sps.append(SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]

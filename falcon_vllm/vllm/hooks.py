@@ -206,7 +206,7 @@ def _propose_draft_token_ids(orig):
                         drafter.lookup_only_steps += 1
                     else:  # every request's drafter KV has a gap
                         drafter.gap_steps += 1
-                    return drafter.lookup.merge([[] for _ in range(B)])[0]
+                    return without_seeded(self, drafter.lookup.merge([[] for _ in range(B)])[0])
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
             drafter.note_drops()
             if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
