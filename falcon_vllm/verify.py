@@ -229,7 +229,8 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None,
     Order: divide by the temperature, then top-k (keep tokens whose logit is >= the k-th largest,
     so ties at the boundary are kept), then top-p (in descending order keep the smallest prefix
     whose mass is >= top_p, i.e. a token is kept iff the mass of the tokens before it is < top_p;
-    the argmax is always kept), then softmax.
+    the argmax is always kept; computed as vLLM's ``apply_top_k_top_p`` does, so that tied tokens at
+    the boundary are kept alike), then softmax.
 
     Args:
         logits: [..., V] float (any float dtype; computed in fp32).  The per-request parameters
@@ -255,14 +256,12 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None,
         k = s.top_k
         kth = x.topk(s.k_max, dim=-1).values.gather(-1, (k - 1)[:, None, None].expand(B, x.shape[1], 1))
         x = x.masked_fill((x < kth) & s.top_k_on[:, None, None], float("-inf"))
-    if s.any_top_p:
-        p = s.top_p
-        sx, idx = x.sort(dim=-1, descending=True)
-        sp = sx.softmax(-1)
-        before = torch.cumsum(sp, -1)
-        before = torch.cat([torch.zeros_like(before[..., :1]), before[..., :-1]], -1)
-        drop = (before >= p[:, None, None]) & (p < 1)[:, None, None]
-        drop[..., 0] = False
+    if s.any_top_p:  # as vLLM computes it (ascending sort, the tail whose mass is <= 1 - p dropped), so that ties
+        p = s.top_p  # at the boundary and rounding fall the same way
+        sx, idx = x.sort(dim=-1, descending=False)
+        cum = sx.softmax(-1).cumsum(-1)
+        drop = (cum <= (1 - p)[:, None, None]) & (p < 1)[:, None, None]
+        drop[..., -1] = False
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
     probs = x.softmax(-1)
     if s.any_greedy:

@@ -554,3 +554,19 @@ def test_sampling_lossless_mixed_batch_chain():
     for j, (t, p) in enumerate([(1.0, None), (0.7, 0.9)]):
         stat, thr = _chi_square(idx[j::2], _exact_dist(t, None, p))
         assert stat < thr, (t, p, stat, thr)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (5, None), (None, 0.8), (20, 0.6), (1, None), (None, 0.01)])
+def test_probs_from_logits_equal_vllms_sampling_functions(top_k, top_p):
+    """The tree sampler's target distribution (``probs_from_logits``: temperature, top-k, top-p) equals the one vLLM's
+    sampler draws from, computed by vLLM's own ``apply_top_k_top_p``, per row, with ties at the top-k boundary."""
+    from tests.vllm_util import vllm_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g) * 3
+    logits[:8, :12] = 4.0                                   # ties
+    for t in (1.0, 0.7, 1.6):
+        want = vllm_probs(logits, t, top_k, top_p)
+        got = probs_from_logits(logits, torch.full((64,), t), None if top_k is None else torch.full((64,), top_k),
+                                None if top_p is None else torch.full((64,), top_p))
+        assert torch.allclose(got, want, atol=1e-6), (t, (got - want).abs().max())

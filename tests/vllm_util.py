@@ -86,15 +86,27 @@ def seeded(llm, prompts, n=12):
 # token falls in one of 6 bins (d = -2..2, other); under the null hypothesis the count of a bin is a
 # sum of independent-given-the-past Bernoulli draws whose expected value is the sum, over the steps,
 # of the target's probability of that bin given the actual prefix.
+def vllm_probs(logits, temperature: float, top_k: int | None = None, top_p: float | None = None):
+    """The distribution vLLM's sampler draws from, [n, V], computed by vLLM's own functions: the logits divided by
+    the temperature, top-k / top-p applied by ``apply_top_k_top_p`` (the reference the samplers are checked
+    against, rather than the plugin's ``probs_from_logits``)."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    n = logits.shape[0]
+    lg = logits.float() / temperature
+    k = None if top_k is None else torch.full((n,), top_k, dtype=torch.long)
+    p = None if top_p is None else torch.full((n,), top_p, dtype=torch.float32)
+    return apply_top_k_top_p(lg, k, p).softmax(-1)
+
+
 def context_chi_square(model, prompts, outs, temperature, top_k=None, top_p=None):
     """(chi-square statistic, observed counts, expected counts) of generations ``outs`` against the
-    HF ``model``'s processed distributions (temperature, top-k, top-p) along each generated prefix.
+    HF ``model``'s distributions as vLLM processes them (:func:`vllm_probs`) (temperature, top-k, top-p) along each generated prefix.
     A token of zero probability at its step fails at once; bins with expected count <= 0.5 are left
     out of the statistic (Pearson's statistic with 5 degrees of freedom bounds it: the per-step
     probabilities vary, which only shrinks the variance)."""
     import torch
-
-    from falcon_vllm.verify import probs_from_logits
 
     V = model.config.vocab_size
     counts, expected = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
@@ -103,7 +115,7 @@ def context_chi_square(model, prompts, outs, temperature, top_k=None, top_p=None
         seq = list(prompt) + gen
         with torch.no_grad():
             logits = model(torch.tensor([seq[:-1]])).logits[0, len(prompt) - 1:]      # [n, V]: one per token
-        probs = probs_from_logits(logits, temperature, top_k, top_p).double()
+        probs = vllm_probs(logits, temperature, top_k, top_p).double()
         prev, tok = torch.tensor(seq[len(prompt) - 1:-1]), torch.tensor(gen)
         p_tok = probs.gather(1, tok[:, None]).squeeze(1)
         assert bool((p_tok > 0).all()), f"sampled tokens of zero probability: {tok[p_tok <= 0].tolist()}"

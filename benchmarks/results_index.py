@@ -1,0 +1,274 @@
+"""Write ``benchmarks/results/INDEX.md``: one row per result page in ``benchmarks/results/``.
+
+    python benchmarks/results_index.py            # rewrite the index
+    python benchmarks/results_index.py --check    # exit 1 if the index is stale (tests/test_docs.py runs this)
+
+A result is a ``<name>.json`` (with its ``<name>.md`` page when there is one) or a ``<name>.md`` page without
+JSON. Each row gives:
+
+- date: the JSON's own ``date`` field when it has one, else the day of the last commit of the file
+  (``git log``; a file not committed yet gets today's date);
+- tool: the script in the JSON's ``command`` (``benchmarks/<tool>.py``, ``falcon-vllm <command>``), else
+  the name's prefix;
+- machine: the JSON's ``machine`` (or ``device``) field, shortened;
+- metric: the headline figure where the JSON's layout is one this script knows (A/B speedups, held-out
+  top-1, soak verdicts, ...), else blank;
+- cited by: the README, docs/ pages and model cards that name the page (brace and ``*`` patterns such as
+  ``ab_v6_b1_{mt-bench,gsm8k}.md`` count).
+
+Fast: one ``git log`` for every date, one read of each JSON and of each citing page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+INDEX = os.path.join(RESULTS, "INDEX.md")
+CITING = ["README.md", "docs/*.md", "falcon_vllm/drafters/*/README.md"]
+PREFIX_TOOLS = [  # name prefix -> tool, for results whose JSON names no command (first match wins)
+    ("ab_arrivals", "ab_arrivals"), ("ab_", "ab_step"), ("heldout_eval", "heldout_eval"),
+    ("training_ablation", "train_ablation"), ("training_", "falcon-vllm train"), ("learning_curves", "learning_curves"),
+    ("e2e_", "bench_e2e"), ("profile_", "profile_step"), ("cpu_gemm_rows", "cpu_gemm_rows"),
+    ("cpu_tree_attention", "cpu_tree_attention"), ("kernels_", "bench_kernels"), ("gpu_check", "gpu_check"),
+    ("gpu_", "gpu_suite"), ("train_speed", "train_speed"), ("soak_", "soak_server"), ("serving_sim", "serving_sim"),
+    ("lookup_oracle", "lookup_oracle"), ("draft_sampling", "draft_sampling"), ("draft_vocab", "draft_vocab"),
+    ("draft_gemm_dtypes", "draft_gemm_dtypes"), ("gen_data_speed", "gen_data_speed"),
+    ("gen_data", "falcon-vllm gen-data"),
+    ("verify_cost", "verify_cost"), ("tree_", "falcon-vllm tune-tree"), ("ref_tau", "ref_tau"),
+    ("memory_rounds", "memory_rounds"),
+]
+
+
+# ---------------------------------------------------------------------- the pieces of a row
+def git_dates() -> tuple[dict[str, str], bool]:
+    """{path relative to the repository: day of its last commit}, and whether git history was readable whole."""
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
+                                 text=True, check=True).stdout.strip() == "true"
+        log = subprocess.run(["git", "log", "--format=%x00%cs", "--name-only", "--", "benchmarks/results"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}, False
+    dates, day = {}, None
+    for line in log.splitlines():
+        if line.startswith("\0"):
+            day = line[1:]
+        elif line and day:
+            dates.setdefault(line, day)  # newest commit first
+    return dates, not shallow
+
+
+def tool_of(name: str, data) -> str:
+    command = data.get("command") if isinstance(data, dict) else None
+    if command is None and isinstance(data, dict) and isinstance(data.get("commands"), (list, dict)):
+        cmds = data["commands"]
+        command = next(iter(cmds.values() if isinstance(cmds, dict) else cmds), None)
+    if isinstance(command, list):
+        command = " ".join(map(str, command))
+    if isinstance(command, str):
+        m = re.search(r"benchmarks/(\w+)\.(?:py|sh)", command)
+        if m:
+            return m.group(1)
+        m = re.search(r"falcon-vllm (\w[\w-]*)", command)
+        if m:
+            return f"falcon-vllm {m.group(1)}"
+    for prefix, tool in PREFIX_TOOLS:
+        if name.startswith(prefix):
+            return tool
+    return ""
+
+
+def machine_of(data) -> str:
+    if not isinstance(data, dict):
+        return ""
+    m = data.get("machine") or data.get("device_name") or data.get("device") or ""
+    if not isinstance(m, str):
+        return ""
+    m = re.split(r"; |, torch | \(torch", m)[0].strip()
+    return m if len(m) <= 60 else m[:57] + "..."
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x"
+
+
+def metric_of(data) -> str:
+    """The result's headline figure, for the layouts this script knows; '' for the others."""
+    if not isinstance(data, dict):
+        return ""
+    rows = data.get("rows")
+    if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+        r0 = rows[0]
+        if "speedup_vs_base" in r0 and "config" in r0:  # ab_step, ab_arrivals
+            base = data.get("baseline", r0.get("config"))
+            others = [r for r in rows if r.get("config") != base]
+            pick = next((r for r in others if r.get("config") == "falcon"), others[0] if others else None)
+            if pick is None:
+                return ""
+            where = f"B={pick['batch_size']}" if "batch_size" in pick else (
+                f"{pick['rate']}/s" if "rate" in pick else "")
+            total = f" / {_x(pick['speedup_total'])}" if isinstance(pick.get("speedup_total"), (int, float)) else ""
+            return f"{pick['config']} {_x(pick['speedup_vs_base'])}{total} {where}".strip()
+        if "speedup_vs_vanilla" in r0 and "method" in r0:  # bench_e2e
+            spec = [r for r in rows if r.get("method") != "vanilla" and r.get("speedup_vs_vanilla") is not None]
+            if spec:
+                r = max(spec, key=lambda r: r["speedup_vs_vanilla"])
+                tau = f", tau {r['tau']:.2f}" if isinstance(r.get("tau"), (int, float)) else ""
+                return f"best {r['method']} {_x(r['speedup_vs_vanilla'])}{tau} ({r.get('dataset', '')})"
+        if "top1_by_block_position" in r0:  # heldout_eval
+            top1 = ", ".join(f"{v:.3f}" for v in r0["top1_by_block_position"])
+            tau = f", sim tau {r0['sim_tau']:.2f}" if isinstance(r0.get("sim_tau"), (int, float)) else ""
+            return f"{r0.get('drafter', '')} {r0.get('dataset', '')}: top-1 {top1}{tau}".strip()
+        if "tokens_per_step" in r0 and "est_speedup" in r0:  # serving_sim
+            return f"{r0.get('policy', '')} {r0.get('dataset', '')}: {r0['tokens_per_step']:.2f} tokens/step"
+        if "vs_first" in r0:  # cpu_gemm_rows, verify_cost
+            last = rows[-1]
+            n = last.get("rows", last.get("width", "?"))
+            return f"{n} rows {last['vs_first']:.2f}x one"
+        if "ms_per_step" in r0 and isinstance(r0["ms_per_step"], dict):  # profile_step
+            return ", ".join(f"{r['config']} {r['ms_per_step'].get('step', 0):.1f} ms/step" for r in rows[:2])
+    if "checks" in data and "failed" in data:  # gpu_check
+        return f"{data['checks']} checks, {data['failed']} failed"
+    if "greedy_mismatches" in data and "errors" in data:  # soak_server
+        ok = not data.get("failures")
+        return f"{'PASS' if ok else 'FAIL'}: {data.get('completed', '?')} completed, {data['errors']} errors"
+    if "s_per_step" in data:  # train_speed
+        return f"{data['s_per_step']:.3f} s/step ({data.get('device', '')})"
+    return ""
+
+
+def _expand(pattern: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m.group(1).split(",") for x in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def citations(stems: set[str]) -> dict[str, list[str]]:
+    """{result stem: the pages (relative paths) that name it}."""
+    cited: dict[str, list[str]] = {}
+    token = re.compile(r"[\w.{},*/-]*?([\w{},*.-]+)\.(?:md|json|\{json,md\}|\{md,json\})")
+    for spec in CITING:
+        for page in sorted(glob.glob(os.path.join(REPO, spec))):
+            rel = os.path.relpath(page, REPO)
+            text = open(page, encoding="utf-8").read()
+            hits = set()
+            for m in token.finditer(text):
+                for name in _expand(m.group(1)):
+                    name = name.replace("...", "*")
+                    if "*" in name:
+                        hits.update(fnmatch.filter(stems, name))
+                    elif name in stems:
+                        hits.add(name)
+            for s in hits:
+                cited.setdefault(s, []).append(rel)
+    return cited
+
+
+# ---------------------------------------------------------------------- the index
+def results() -> list[str]:
+    """Stems (relative to benchmarks/results, without extension) of every result: JSON files and markdown pages."""
+    stems = set()
+    for ext in ("json", "md"):
+        for p in glob.glob(os.path.join(RESULTS, "**", f"*.{ext}"), recursive=True):
+            rel = os.path.relpath(p, RESULTS)
+            if rel != "INDEX.md" and not rel.startswith("_scratch"):
+                stems.add(rel[: -len(ext) - 1])
+    return sorted(stems)
+
+
+def build() -> tuple[list[list[str]], list[bool]]:
+    """The index's rows (cells), and for each whether its date is fixed (from the JSON or a commit)."""
+    dates, _ = git_dates()
+    today = datetime.date.today().isoformat()
+    stems = results()
+    cited = citations({os.path.basename(s) for s in stems})
+    rows, fixed = [], []
+    for stem in stems:
+        base = os.path.join(RESULTS, stem)
+        data = None
+        if os.path.exists(base + ".json"):
+            try:
+                with open(base + ".json") as f:
+                    data = json.load(f)
+            except ValueError:
+                data = None
+        page = stem + (".md" if os.path.exists(base + ".md") else ".json")
+        git_rel = f"benchmarks/results/{stem}"
+        day = data.get("date") if isinstance(data, dict) and isinstance(data.get("date"), str) else None
+        known = day is not None
+        if day is None:
+            day = dates.get(git_rel + ".json") or dates.get(git_rel + ".md")
+            known = day is not None
+        name = os.path.basename(stem)
+        by = ", ".join(cited.get(name, [])) or "-"
+        cell = lambda s: s.replace("|", "/")
+        rows.append([day or today, f"[{stem}]({page})", cell(tool_of(name, data)), cell(machine_of(data)),
+                     cell(metric_of(data)), by])
+        fixed.append(known)
+    return rows, fixed
+
+
+HEADER = ["date", "result", "tool", "machine", "metric", "cited by"]
+
+
+def render(rows: list[list[str]]) -> str:
+    cited = sum(r[5] != "-" for r in rows)
+    lines = ["# Results index", "",
+             "Generated by `python benchmarks/results_index.py` from the files in this folder (do not edit by hand; "
+             "`--check` tells whether it is current). One row per result, newest first: date (the JSON's, else the "
+             "file's last commit), the script that wrote it, the machine it ran on, its headline figure where the "
+             "layout is known (A/B: the shipped default's speedup, median pair / whole workload), and the pages "
+             "that cite it. The current headline runs are in the README's table; the reading of every run is in "
+             "[docs/findings.md](../../docs/findings.md).", "",
+             f"{len(rows)} results, {cited} cited by the README, docs/ or a model card.", "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1]), reverse=True)
+    lines += ["| " + " | ".join(rows[i]) + " |" for i in order]
+    return "\n".join(lines) + "\n"
+
+
+def _masked(text: str, masked_results: set[str]) -> str:
+    """The index with the date cell blanked on the rows of ``masked_results`` (their dates are not fixed yet)."""
+    out = []
+    for line in text.splitlines():
+        cells = line.split(" | ")
+        if len(cells) > 2 and line.startswith("| ") and cells[1] in masked_results:
+            line = "| ? | " + " | ".join(cells[1:])
+        out.append(line)
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if INDEX.md is not what this script would write")
+    args = p.parse_args(argv)
+    rows, fixed = build()
+    text = render(rows)
+    if not args.check:
+        with open(INDEX, "w") as f:
+            f.write(text)
+        print(f"wrote {os.path.relpath(INDEX, REPO)} ({len(rows)} results)")
+        return 0
+    old = open(INDEX).read() if os.path.exists(INDEX) else ""
+    _, whole = git_dates()
+    masked = {r[1] for r, ok in zip(rows, fixed) if not ok or not whole}  # dates that a commit will still change
+    if _masked(old, masked) != _masked(text, masked):
+        print(f"{os.path.relpath(INDEX, REPO)} is stale: run `python benchmarks/results_index.py`", file=sys.stderr)
+        return 1
+    print(f"{os.path.relpath(INDEX, REPO)} is current ({len(rows)} results)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The product face stays current: the README's headline table and the results index match the result files,
+the README and the model cards stay short, and every relative link in the README, docs/ and the model cards
+points at a file that exists."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CARDS = sorted(glob.glob(os.path.join(REPO, "falcon_vllm", "drafters", "*", "README.md")))
+PAGES = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + CARDS
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_readme_headline_table_is_current():
+    r = _run("headline.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_results_index_is_current():
+    r = _run("results_index.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _lines(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return len(f.read().splitlines())
+
+
+def test_readme_is_short():
+    assert _lines(os.path.join(REPO, "README.md")) <= 250
+
+
+@pytest.mark.parametrize("card", CARDS, ids=lambda p: os.path.basename(os.path.dirname(p)))
+def test_model_card_is_short(card):
+    assert _lines(card) <= 80
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, REPO))
+def test_relative_links_point_at_files(page):
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold commands, not links
+    missing = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL or an anchor on the same page
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+        if not os.path.exists(path):
+            missing.append(target)
+    assert not missing, f"{os.path.relpath(page, REPO)} links to missing files: {missing}"
