@@ -15,7 +15,7 @@ plugin's manifest (:mod:`falcon_vllm.vllm.patches`: ``PATCHES``, ``READS``, and 
 
   python benchmarks/vllm_surface.py 0.32.0 0.33.0 0.34.0
   python benchmarks/vllm_surface.py --wheel dist/vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl
-  python benchmarks/vllm_surface.py --source .venv/lib/python3.11/site-packages --out-dir /tmp/s
+  python benchmarks/vllm_surface.py --source .venv/lib/python3.11/site-packages --out-dir out
 
 Writes ``benchmarks/results/vllm_surface_<version>.{json,md}`` per release (``--no-report``: the table only).
 ``--check`` exits 1 when a non-optional entry is not present.

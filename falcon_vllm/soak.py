@@ -6,10 +6,13 @@ arguments without speculation) and replays the greedy prompts on it.  Each clien
 * greedy requests of a fixed prompt set (mixed lengths, completions or chat, streamed or not);
   every answer must equal the vanilla server's;
 * sampled requests (temperature 0.8, top-p 0.95, random lengths, streamed or not);
+* seeded sampled requests (a few prompts and seeds, fixed lengths): every answer must equal the vanilla server's;
+* with a ``--max-model-len`` among the server flags, greedy requests whose prompt (token ids) ends within 24
+  tokens of it: every answer must equal the vanilla server's;
 * aborts: a streamed request dropped after 0-4 chunks (the client disconnects);
 * malformed requests (bad JSON, bad fields, unknown model, out-of-vocabulary ids): each must get a 4xx.
 Checked: the server never dies and answers /health at the end; every malformed request got a 4xx and
-every other request a 200; greedy answers equal vanilla's; resident memory (the server's process tree)
+every other request a 200; greedy and seeded answers equal vanilla's; resident memory (the server's process tree)
 is flat after warm-up; the spec-decode counters from /metrics are consistent (with no ``spec_args``, a vanilla
 server under the same load, they are not checked).
 No vLLM import: it only talks HTTP to the servers.
@@ -160,15 +163,26 @@ MALFORMED = [  # (path, raw body or dict with "$model" for the model name)
 class Soak:
     def __init__(self, url: str, model: str, prompts: list[str], deadline: float, seed: int,
                  p_abort: float, p_malformed: float, p_greedy: float, min_completed: int = 0,
-                 hard_deadline: float | None = None):
+                 hard_deadline: float | None = None, max_model_len: int | None = None):
         self.url, self.model, self.prompts, self.deadline = url, model, prompts, deadline
+        self.max_model_len = max_model_len
         self.min_completed, self.hard_deadline = min_completed, deadline if hard_deadline is None else hard_deadline
         self.seed, self.p_abort, self.p_malformed, self.p_greedy = seed, p_abort, p_malformed, p_greedy
-        self.greedy: dict[int, set[str]] = {}
+        self.greedy: dict[tuple, set[str]] = {}  # a checked request's key -> the answers it got
         self.latency: list[float] = []
-        self.count = {"completed": 0, "greedy": 0, "sampled": 0, "streamed": 0, "chat": 0, "aborted": 0,
-                      "malformed": 0, "malformed_4xx": 0}
+        self.count = {"completed": 0, "greedy": 0, "sampled": 0, "seeded": 0, "long": 0, "streamed": 0, "chat": 0,
+                      "aborted": 0, "malformed": 0, "malformed_4xx": 0}
         self.errors: list[str] = []
+
+    def checked_body(self, key: tuple) -> tuple[str, dict]:
+        """The request of a checked key: ("greedy", i), ("seeded", i, seed) or ("long", n)."""
+        kind, i = key[0], key[1]
+        if kind == "greedy":
+            return self._body(i, i % 3 == 2, max_tokens=GREEDY_LENGTHS[i % len(GREEDY_LENGTHS)], temperature=0.0)
+        if kind == "seeded":
+            return self._body(i, False, max_tokens=32, temperature=0.8, top_p=0.95, seed=key[2])
+        ids = [100 + (37 * j + 11 * i) % 5000 for j in range(self.max_model_len - 24)]  # ends 24 tokens short
+        return "/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 16 + i, "temperature": 0.0}
 
     def _body(self, i: int, chat: bool, **kw) -> tuple[str, dict]:
         if chat:
@@ -241,10 +255,13 @@ class Soak:
                         await self._abort(session, rng)
                         continue
                     stream, greedy = rng.random() < 0.5, rng.random() < self.p_greedy
-                    if greedy:
-                        i = rng.randrange(len(self.prompts))
-                        path, body = self._body(i, i % 3 == 2, max_tokens=GREEDY_LENGTHS[i % len(GREEDY_LENGTHS)],
-                                                temperature=0.0)
+                    key = None
+                    if greedy:  # a greedy request; one in 5 seeded sampling, one in 5 near max_model_len
+                        y = rng.random()
+                        key = (("long", rng.randrange(4)) if y < 0.2 and self.max_model_len else
+                               ("seeded", rng.randrange(4), rng.randrange(3)) if y < 0.4 else
+                               ("greedy", rng.randrange(len(self.prompts))))
+                        path, body = self.checked_body(key)
                     else:
                         path, body = self._body(rng.randrange(len(self.prompts)), rng.random() < 0.3,
                                                 max_tokens=rng.randint(4, 128), temperature=0.8, top_p=0.95)
@@ -252,11 +269,11 @@ class Soak:
                     text = await self._request(session, path, body, stream)
                     self.latency.append(time.monotonic() - t0)
                     self.count["completed"] += 1
-                    self.count["greedy" if greedy else "sampled"] += 1
+                    self.count[key[0] if key else "sampled"] += 1
                     self.count["streamed"] += stream
                     self.count["chat"] += "messages" in body
-                    if greedy:
-                        self.greedy.setdefault(i, set()).add(text)
+                    if key:
+                        self.greedy.setdefault(key, set()).add(text)
                 except Exception as e:  # noqa: BLE001 - every failure is recorded and fails the soak
                     self.errors.append(f"{type(e).__name__}: {e}"[:300])
 
@@ -276,18 +293,19 @@ async def _run_clients(soak: Soak, clients: int) -> None:
     await asyncio.gather(*(soak.client(k) for k in range(clients)))
 
 
-async def _replay_greedy(url: str, model: str, prompts: list[str], ids: list[int]) -> dict[int, str]:
-    s = Soak(url, model, prompts, 0, 0, 0, 0, 1)
+async def _replay_greedy(url: str, model: str, prompts: list[str], keys: list[tuple],
+                         max_model_len: int | None = None) -> dict[tuple, str]:
+    s = Soak(url, model, prompts, 0, 0, 0, 0, 1, max_model_len=max_model_len)
     sem = asyncio.Semaphore(8)
     out = {}
 
-    async def one(session, i):
+    async def one(session, key):
         async with sem:
-            path, body = s._body(i, i % 3 == 2, max_tokens=GREEDY_LENGTHS[i % len(GREEDY_LENGTHS)], temperature=0.0)
-            out[i] = await s._request(session, path, body, False)
+            path, body = s.checked_body(key)
+            out[key] = await s._request(session, path, body, False)
 
     async with _session() as session:
-        await asyncio.gather(*(one(session, i) for i in ids))
+        await asyncio.gather(*(one(session, k) for k in keys))
     return out
 
 
@@ -310,6 +328,8 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
 
     os.makedirs(workdir, exist_ok=True)
     prompts = make_prompts(num_prompts, max_words, seed)
+    flags = list(server_args)
+    max_model_len = int(flags[flags.index("--max-model-len") + 1]) if "--max-model-len" in flags else None
     get = lambda url, p: urllib.request.urlopen(url + p, timeout=60).read().decode()  # noqa: E731
     proc, url = start_server(model, server_args + spec_args, os.path.join(workdir, "falcon_server.log"))
     rss: list[tuple[float, float]] = []
@@ -317,7 +337,7 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
         metrics0 = parse_metrics(get(url, "/metrics"))
         t0 = time.monotonic()
         s = Soak(url, model, prompts, t0 + duration, seed, p_abort, p_malformed, p_greedy, min_completed,
-                 t0 + (4 * duration if max_duration is None else max_duration))
+                 t0 + (4 * duration if max_duration is None else max_duration), max_model_len)
 
         async def main():
             task = asyncio.ensure_future(_run_clients(s, clients))
@@ -336,7 +356,7 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
         stop_server(proc)
     vproc, vurl = start_server(model, server_args, os.path.join(workdir, "vanilla_server.log"))
     try:
-        vanilla = asyncio.run(_replay_greedy(vurl, model, prompts, sorted(s.greedy)))
+        vanilla = asyncio.run(_replay_greedy(vurl, model, prompts, sorted(s.greedy), max_model_len))
     finally:
         stop_server(vproc)
     mismatch = sorted(i for i, texts in s.greedy.items() if texts != {vanilla[i]})
@@ -351,7 +371,7 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
     if spec_args:  # none: a vanilla baseline, whose counters stay at zero
         failures += [f"spec counters: {b}" for b in bad_spec]
     if mismatch:
-        failures.append(f"greedy outputs differ from vanilla for prompts {mismatch}")
+        failures.append(f"greedy or seeded outputs differ from vanilla for {mismatch}")
     if s.count["malformed_4xx"] != s.count["malformed"]:
         failures.append("a malformed request did not get a 4xx")
     if s.count["completed"] < min_completed:
@@ -368,8 +388,9 @@ def soak(model: str, server_args: list[str], spec_args: list[str], workdir: str,
         "rss_mb": {"start": rss[0][1] if rss else None, "after_warmup": warm[0] if warm else None,
                    "end": rss[-1][1] if rss else None, "max": max((m for _, m in rss), default=None),
                    "growth_after_warmup": growth, "samples": [(round(t, 1), round(m, 1)) for t, m in rss[::5]]},
-        "greedy_prompts_checked": len(s.greedy), "greedy_answers_checked": s.count["greedy"],
-        "greedy_mismatches": mismatch, "spec": spec, "failures": failures,
+        "greedy_prompts_checked": len(s.greedy),
+        "greedy_answers_checked": s.count["greedy"] + s.count["seeded"] + s.count["long"],
+        "greedy_mismatches": [list(k) for k in mismatch], "spec": spec, "failures": failures,
     }
 
 
@@ -379,18 +400,19 @@ def markdown(res: dict) -> str:
     lines = [
         f"# Soak: `falcon-vllm serve` {' '.join(res['spec_args']) or '(no speculation: the baseline)'}", "",
         f"model `{res['model']}`, server flags `{' '.join(res['server_args'])}`", "",
-        "| clients | duration s | requests | completed | greedy | sampled | streamed | chat | aborted | malformed (4xx) "
-        "| errors | p50 s | p99 s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| clients | duration s | requests | completed | greedy | seeded | near max_model_len | sampled | streamed "
+        "| chat | aborted | malformed (4xx) | errors | p50 s | p99 s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| {res['clients']} | {res['duration_s']} | {res['requests']} | {res['completed']} | {res['greedy']} "
-        f"| {res['sampled']} | {res['streamed']} | {res['chat']} | {res['aborted']} "
+        f"| {res.get('seeded', 0)} | {res.get('long', 0)} | {res['sampled']} | {res['streamed']} | {res['chat']} "
+        f"| {res['aborted']} "
         f"| {res['malformed']} ({res['malformed_4xx']}) | {res['errors']} | {f(lat['p50'])} | {f(lat['p99'])} |", "",
         f"Resident memory of the server's process tree (MiB): start {f(rss['start'], 0)}, after warm-up "
         f"{f(rss['after_warmup'], 0)}, end {f(rss['end'], 0)}, max {f(rss['max'], 0)} "
         f"(growth after warm-up {f(100 * rss['growth_after_warmup'] if rss['growth_after_warmup'] is not None else None, 1)} %).",
         "",
-        f"Greedy: {res['greedy_answers_checked']} answers to {res['greedy_prompts_checked']} prompts compared with a "
-        f"vanilla server: {len(res['greedy_mismatches'])} prompts differ.", "",
+        f"Greedy and seeded: {res['greedy_answers_checked']} answers to {res['greedy_prompts_checked']} requests "
+        f"compared with a vanilla server: {len(res['greedy_mismatches'])} differ.", "",
         f"Spec counters over the soak: {int(sp['drafts'])} drafts, {int(sp['draft_tokens'])} draft tokens, "
         f"{int(sp['accepted'])} accepted, {int(sp['generation_tokens'])} generated tokens; accepted per position "
         f"{[int(x) for x in sp['accepted_per_pos']]}.", "",
