@@ -99,8 +99,11 @@ def _falcon_runner(lookup, proposed: bool, req_ids=("x", "y")):
 
     prop = FalconProposer.__new__(FalconProposer)          # the attributes the runner hooks read
     prop.falcon, prop.lookup, prop.proposed, prop.tree_state = {"k": 2}, lookup, proposed, None
+    prop._stash, prop._pending_blocks = BlockInputStash(4, k=2, hidden_size=H, device="cpu", dtype=torch.float32), {}
     batch = SimpleNamespace(req_ids=list(req_ids), logprob_token_ids={})
-    return SimpleNamespace(drafter=prop, input_batch=batch, requests={r: None for r in req_ids})
+    runner = SimpleNamespace(drafter=prop, input_batch=batch, requests={r: None for r in req_ids})
+    prop._runner = runner
+    return runner
 
 
 def test_no_drafts_are_scheduled_after_a_step_where_vllm_ran_no_drafter():

@@ -972,6 +972,42 @@ def test_seeded_requests_repeat_with_sampled_drafts(engines):
     assert run([others[0], prompt, others[1], others[2]], [free, with_seed, free, free])[1] == first
 
 
+def test_prefix_cache_after_a_burst_equals_a_fresh_engine(engines):
+    """A burst at batch 3 (inc_lookup_sched drafts at batch 1 only) prefills a shared 300-token prefix with drafting
+    off: its rows exceed gap_rows, so no drafter pass writes their drafter K/V.  Those blocks must leave the prefix
+    cache: a later request with the same prefix then drafts as on a fresh engine (the same drafts, so the same
+    acceptance).  Before, it hit the cached blocks and drafted over drafter K/V that was never written."""
+    from vllm import SamplingParams
+
+    llm = engines.get("inc_lookup_sched")
+    prefix = [(13 * i) % 5000 + 300 for i in range(300)]
+    one = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    prop = drafter_of(llm)
+
+    def alone():
+        before = spec_counters(llm)
+        log = _record_drafts(prop)
+        try:
+            out = llm.generate([{"prompt_token_ids": prefix + [1, 2, 3]}], one, use_tqdm=False)[0]
+        finally:
+            del prop.propose
+        c = counter_delta(spec_counters(llm), before)
+        drafts = [d for step in log for d in step.values()]   # the random drafter's chains: they read every K/V
+        return list(out.outputs[0].token_ids), drafts, (c["num_drafts"], c["num_draft_tokens"])
+
+    llm.reset_prefix_cache()
+    llm.generate([{"prompt_token_ids": prefix + [7, 8, 9 + i]} for i in range(3)], one, use_tqdm=False)  # the burst
+    after = alone()
+    llm.reset_prefix_cache()
+    fresh = alone()                       # (its own prefill writes every block it reads, whatever they held before)
+    assert fresh[2][0] > 0 and any(fresh[1])
+    assert after == fresh
+
+    from falcon_vllm.vllm import prefix_gaps
+    assert prefix_gaps.evicted > 0
+
+
 @pytest.mark.parametrize("name,vanilla", [("falcon_rnd_lookup", "vanilla_rnd"), ("ctx_lookup_prob", "vanilla_ctx")])
 def test_seeded_requests_with_lookup_do_not_depend_on_their_batch_mates(engines, name, vanilla):
     """With prompt lookup, whether a request gets a lookup draft, the drafter's chain or nothing depends on its

@@ -41,7 +41,7 @@ def install() -> None:
     from vllm.engine.arg_utils import EngineArgs
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    from falcon_vllm.vllm import paged_kv, tree_verify
+    from falcon_vllm.vllm import paged_kv, prefix_gaps, tree_verify
     from falcon_vllm.vllm.proposer import FalconProposer
 
     if DRAFTER_ARCH not in ModelRegistry.get_supported_archs():
@@ -55,6 +55,7 @@ def install() -> None:
     patches.wrap(gmr.GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
     tree_verify.install()
     paged_kv.install_attention_hook()
+    prefix_gaps.install()
 
 
 # ---------------------------------------------------------------------- config
@@ -199,6 +200,13 @@ def _propose_draft_token_ids(orig):
         drafter = falcon_proposer(self)
         if drafter is not None:
             drafter.proposed = True  # (take_draft_token_ids tells this step from one where vLLM ran no drafter)
+        try:
+            return propose(self, drafter, scheduler_output, sampled_token_ids, *args, **kwargs)
+        finally:
+            if drafter is not None and drafter.lookup is not None:
+                drafter.note_drops()  # this step's gaps: the requests, and their blocks out of the prefix cache
+
+    def propose(self, drafter, scheduler_output, sampled_token_ids, *args, **kwargs):
         K = scheduler_output.num_spec_tokens_to_schedule
         if drafter is None or K != 0 and drafter.lookup is None and not drafter.draft_confidence:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -216,7 +224,6 @@ def _propose_draft_token_ids(orig):
                         drafter.gap_steps += 1
                     return without_seeded(self, drafter.lookup.merge([[] for _ in range(B)])[0])
             chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-            drafter.note_drops()
             if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
                 chain = drafter.cut(chain)
             if drafter.lookup is not None:
@@ -239,7 +246,6 @@ def _propose_draft_token_ids(orig):
         """A step without a drafter pass: the verified rows wait for the next one, else the request has a gap."""
         hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
         kept = drafter.keep_gap_rows(self, hidden, sampled_token_ids)
-        drafter.note_drops()
         drafter.lookup.skipped([r for r in self.input_batch.req_ids[:B] if r not in kept], self.requests)
 
     def skip_drafter(self, drafter, sampled_token_ids) -> None:

@@ -98,6 +98,7 @@ class LookupState:
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
         self.falcon_drafts = 0   # requests x steps served by the drafter
         self.gapped: set[str] = set()  # running requests whose drafter K/V has a gap: no drafter chain
+        self.gap_from: dict[str, int] = {}  # a gapped request's first position whose rows may reach no drafter pass
         self.withheld: list[bool] | None = None  # this step's requests without a drafter chain (set by plan)
         # adaptive lengths: request id -> (history length at its last step, that step's lookup draft length,
         # the lookup length it was given); requests absent from a step are forgotten
@@ -120,15 +121,25 @@ class LookupState:
 
     def skipped(self, req_ids, alive=None) -> None:
         """A step ran with drafting off and kept none of these requests' rows: their drafter KV now has a gap.
-        ``alive``: the runner's live requests (scheduled or not), to forget the finished ones."""
-        self.gapped.update(req_ids)
+        ``alive``: the runner's live requests (scheduled or not, ``runner.requests``), to forget the finished ones
+        and to read where each gap starts."""
+        self.gap(req_ids, alive)
         if alive is not None:
             self.prune(alive)
+
+    def gap(self, req_ids, requests=None) -> None:
+        """Mark requests gapped from this step's rows on (``requests``: the runner's, for their computed tokens)."""
+        for r in req_ids:
+            self.gapped.add(r)
+            state = None if requests is None or not hasattr(requests, "get") else requests.get(r)
+            self.gap_from.setdefault(r, int(getattr(state, "num_computed_tokens", 0) or 0))
 
     def prune(self, alive) -> None:
         """Forget the gaps of finished requests (``alive``: every request the runner still holds, scheduled this
         step or not: a request left out of one step keeps its gap)."""
         self.gapped.intersection_update(alive)
+        for r in set(self.gap_from).difference(self.gapped):
+            del self.gap_from[r]
 
     @property
     def all_withheld(self) -> bool:

@@ -70,6 +70,8 @@ PATCHES = (
     Patch(_RUNNER, "sample_tokens", ("self", "grammar_output"), "tree mode: the step's hidden states for compaction"),
     Patch(_RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"), "tree mode: the tree sampler"),
     Patch(_RUNNER, "take_draft_token_ids", ("self",), "no drafts where vLLM ran no drafter; tree mode: none for requests it cannot verify exactly"),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler", "schedule", ("self",),
+          "blocks whose drafter K/V has holes leave the prefix cache (prefix_gaps.py)"),
     Patch("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward",
           ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
           "tree attention (target tree rows, drafter tree passes) on CPU"),

@@ -66,7 +66,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm import lookup, patches, tree_verify
+from falcon_vllm.vllm import lookup, patches, prefix_gaps, tree_verify
 from falcon_vllm.vllm.lookup import LookupState
 from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.options import check_async_scheduling, check_cudagraph_mode
@@ -154,6 +154,7 @@ class FalconProposer(EagleProposer):
         # drafter pass, so that a request's drafter K/V has no gap when drafting resumes (keep_gap_rows; 0: off).  Not
         # more: catching up a whole prompt prefilled with drafting off cost more than it bought (ab_gap_rows_b4_*_spr.md)
         self.gap_rows = 64
+        self._pending_blocks: dict[int, set[int]] = {}  # stash slot -> the blocks of its pending rows
         self._stash = BlockInputStash(2 * self.max_batch_size, self.k, self.hidden_size, device, self.dtype,
                                       ids_dtype=self.input_ids.dtype)
         if self.tree is not None:
@@ -400,6 +401,8 @@ class FalconProposer(EagleProposer):
         if self._stash.pending:  # rows deferred by steps served by prompt lookup alone run first
             starts = self.positions[cad.query_start_loc[:B].long()].tolist()
             pend = self._stash.take(self._step_slots.tolist(), starts, positions[:, 0].tolist())
+            for s in set(self._step_slots.tolist()) - self._stash.dropped:  # run now: written
+                self._pending_blocks.pop(s, None)
         if pend is not None:
             p_req, p_ids, p_feats, p_offs, p_pos = (t.to(dev) for t in pend)
             order = torch.argsort(torch.cat([p_req, chunk_req]), stable=True)  # each request's rows in position order
@@ -451,7 +454,11 @@ class FalconProposer(EagleProposer):
         rows = [(self.input_ids[a:e + 1].clone(), self.hidden_states[a:e + 1].clone(),
                  self._end_offsets(self.positions[a:e + 1], int(self.positions[e])), int(self.positions[a]))
                 for a, e in zip(start, end)]
-        return self._stash.defer(self._step_slots.tolist(), rows, self.defer_rows)
+        if not self._stash.defer(self._step_slots.tolist(), rows, self.defer_rows):
+            return False
+        for s, r, row in zip(self._step_slots.tolist(), self._req_ids(B), rows):
+            self._remember_blocks(s, r, row[3], len(row[0]))
+        return True
 
     def keep_gap_rows(self, runner, hidden_states, sampled_token_ids) -> set[str]:
         """A step with drafting off (lookup mode, on CPU): keep each request's verified rows, the drafter inputs
@@ -485,6 +492,7 @@ class FalconProposer(EagleProposer):
                      self._end_offsets(pos, first + n - 1), first)
             if self._stash.keep(s, piece, self.gap_rows):
                 kept.add(r)
+                self._remember_blocks(s, r, first, n)
         return kept
 
     def take_proposed(self) -> bool:
@@ -494,16 +502,30 @@ class FalconProposer(EagleProposer):
 
     def note_drops(self) -> None:
         """Mark the requests whose pending rows the stash dropped unrun (``BlockInputStash.dropped``): their drafter
-        K/V has a gap, so they get no drafter chain (``LookupState.gapped``)."""
+        K/V has a gap, so they get no drafter chain (``LookupState.gapped``), and the blocks of those rows are kept out
+        of the prefix cache (:mod:`falcon_vllm.vllm.prefix_gaps`).  Then every gapped request's blocks from its gap
+        on are marked too (its rows of steps without a drafter pass are lost)."""
+        for s in self._stash.dropped:
+            prefix_gaps.mark(self._pending_blocks.pop(s, ()))
         dropped = self._stash.drain_dropped()
-        if dropped and self.lookup is not None:
-            self.lookup.gapped.update(r for r in dropped if r in self._runner.requests)
+        if self.lookup is None:
+            return
+        requests = self._runner.requests
+        if dropped:
+            self.lookup.gap([r for r in dropped if r in requests], requests)
+        for r, start in self.lookup.gap_from.items():
+            prefix_gaps.mark(prefix_gaps.blocks_of(self._runner, r, start))
+
+    def _remember_blocks(self, slot: int, req_id: str | None, first: int, n: int) -> None:
+        """The blocks of a pending piece's rows (``first .. first+n``): marked if the piece is dropped unrun."""
+        if req_id is not None:
+            self._pending_blocks.setdefault(slot, set()).update(
+                prefix_gaps.blocks_of(self._runner, req_id, first, first + n))
 
     def _drop_pending(self, B: int) -> None:
         """Drop the step's requests' pending rows (they do not fit one fused pass): their drafter K/V has a gap."""
-        for r, s in zip(self._req_ids(B), self._step_slots.tolist()):
-            if self._stash.pending.pop(s, None) is not None and r is not None and self.lookup is not None:
-                self.lookup.gapped.add(r)
+        for s in self._step_slots.tolist():
+            self._stash._drop(s)  # note_drops marks the owners gapped and their blocks
 
     def _block_offsets(self, nb: int, device) -> torch.Tensor | None:
         """Row offsets of ``nb`` k-row blocks laid out one after another (None: no level embedding)."""

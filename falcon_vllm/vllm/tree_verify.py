@@ -607,6 +607,7 @@ def _take_draft_token_ids(orig):
             # verified rows reach no drafter pass: those requests' drafter K/V has a gap.
             if drafter.lookup is not None:
                 drafter.lookup.skipped(list(self.input_batch.req_ids), self.requests)
+                drafter.note_drops()
             if out is not None:
                 out.draft_token_ids = [[] for _ in out.req_ids]
             return out
