@@ -133,3 +133,23 @@ def test_no_drafts_while_a_request_asks_for_given_token_logprobs():
     runner.input_batch.logprob_token_ids = {"y": [1, 2]}
     drafted = SimpleNamespace(req_ids=["x", "y"], draft_token_ids=[[1, 2], [3]])
     assert _take_draft_token_ids(lambda self: drafted)(runner).draft_token_ids == [[], []]
+
+
+def test_marked_blocks_leave_the_prefix_cache_before_the_next_step():
+    """The runner's marks reach the scheduler's ``evict_blocks`` once; a mark naming a block this pool lacks (left by
+    an engine of the same process that has shut down) is dropped, not passed on (vLLM asserts on it)."""
+    from falcon_vllm.vllm import prefix_gaps
+
+    got = []
+    manager = SimpleNamespace(block_pool=SimpleNamespace(blocks=[None] * 10), evict_blocks=got.append)
+    prefix_gaps.DIRTY.clear()
+    prefix_gaps.mark([3, 4, 12])
+    prefix_gaps.evict(SimpleNamespace(kv_cache_manager=manager))
+    prefix_gaps.evict(SimpleNamespace(kv_cache_manager=manager))     # nothing new: no call
+    assert got == [{3, 4}] and not prefix_gaps.DIRTY
+    state = SimpleNamespace(block_ids=([7, 8, 9],))
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))])
+    runner = SimpleNamespace(requests={"r": state}, drafter=None, kv_cache_config=cfg)
+    assert prefix_gaps.blocks_of(runner, "r", 20) == [8, 9]           # position 20 lies in the second block
+    assert prefix_gaps.blocks_of(runner, "r", 0, 16) == [7]
+    assert prefix_gaps.blocks_of(runner, "gone", 0) == []

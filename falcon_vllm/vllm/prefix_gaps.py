@@ -41,8 +41,11 @@ def evict(scheduler) -> None:
     """Before a scheduling step: evict the marked blocks from the prefix cache."""
     global evicted
     if DIRTY:
-        ids, _ = set(DIRTY), DIRTY.clear()
-        scheduler.kv_cache_manager.evict_blocks(ids)
+        manager = scheduler.kv_cache_manager
+        # (a mark left by an engine of this process that has shut down may name a block this pool lacks)
+        ids = {b for b in DIRTY if b < len(manager.block_pool.blocks)}
+        DIRTY.clear()
+        manager.evict_blocks(ids)
         evicted += len(ids)
 
 
