@@ -49,7 +49,10 @@ def test_draft_gemm_dtypes_times_the_plugins_matmul_paths():
     torch.manual_seed(0)
     w, x = torch.randn(96, 64) * 0.05, torch.randn(3, 64)
     ref = x @ w.T
-    for dtype, tol in (("fp32", 1e-5), ("bf16", 1e-2), ("int8", 2e-2)):
+    # int8 within 2%: with int8 dot-product units (VNNI), where ``draft_gemm_dtype`` auto picks it; without them
+    # oneDNN's u8 x s8 pairs saturate (measured 8% on such a CPU), and auto never picks int8 there
+    int8_tol = 2e-2 if torch.cpu._is_vnni_supported() else 0.15
+    for dtype, tol in (("fp32", 1e-5), ("bf16", 1e-2), ("int8", int8_tol)):
         out = dg.linear_fn(w, dtype)(x)
         assert out.dtype == torch.float32 and ((out - ref).norm() / ref.norm()).item() < tol, dtype
     best = dg.measure([(48, 32), (32, 48)], rows=[1, 2], copies=2, rounds=1)
