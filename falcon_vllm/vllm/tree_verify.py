@@ -326,7 +326,7 @@ def tree_drafts_for(sp) -> bool:
         sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_p or sp.min_tokens
         or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs is not None
         or getattr(sp, "thinking_token_budget", None) is not None
-        or (sp.seed is not None and sp.temperature >= _SAMPLING_EPS))
+        or (getattr(sp, "seed", None) is not None and sp.temperature >= _SAMPLING_EPS))
 
 
 def _plain_requests(runner, widths) -> list[int]:
@@ -405,7 +405,8 @@ def tree_sample(runner, state: TreeState, step: TreeStep, logits: torch.Tensor, 
         res = runner.sampler(logits[roots], sm if sm.max_num_logprobs is None else
                              dataclasses.replace(sm, max_num_logprobs=-1))
         out[idx, 0] = res.sampled_token_ids[idx, 0].to(torch.int32)
-        plain_lp = None if res.logprobs_tensors is None else res.logprobs_tensors.logprobs[idx]
+        lp_tensors = getattr(res, "logprobs_tensors", None) if sm.max_num_logprobs is not None else None
+        plain_lp = None if lp_tensors is None else lp_tensors.logprobs[idx]
         for i, st in saved.items():
             sm.generators[i].set_state(st)
     else:
@@ -457,7 +458,7 @@ def _logprobs(runner, sm, logits, out, starts, paths, plain, plain_lp):
     for r, path in paths.items():
         rows[r, 1: len(path) + 1] += np.asarray(path)
     lg = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)].float()
-    mode = runner.sampler.logprobs_mode
+    mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
     if mode.startswith("processed"):
         per_row = lambda x: None if x is None else x.repeat_interleave(width)  # noqa: E731
         if sm.temperature is not None:
@@ -611,7 +612,7 @@ def _take_draft_token_ids(orig):
             if out is not None:
                 out.draft_token_ids = [[] for _ in out.req_ids]
             return out
-        if out is not None and self.input_batch.logprob_token_ids:
+        if out is not None and getattr(self.input_batch, "logprob_token_ids", None):
             # a request asks for the logprobs of given token ids: only vLLM's plain sampler returns them (its
             # rejection sampler and the tree sampler do not), so the step after this one verifies no drafts
             out.draft_token_ids = [[] for _ in out.req_ids]
