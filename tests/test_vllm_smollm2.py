@@ -43,15 +43,6 @@ def _greedy(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.fixture(scope="module")
-def vanilla(prompts):
-    llm = make_llm(model_path(), None, max_model_len=1024, max_num_seqs=4)
-    try:
-        return _greedy(llm, prompts)
-    finally:
-        shutdown_llm(llm)
-
-
 def _wave(llm, prompts):
     """The shipped default's traffic: greedy requests of staggered lengths (the batch shrinks 4 -> 1, across the
     schedule's batch-size boundary), then a concurrent sampled wave of 8, half of them seeded -> (greedy tokens,
@@ -69,12 +60,23 @@ def _wave(llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def vanilla_wave(prompts):
+def vanilla_runs(prompts):
+    """One vanilla engine's greedy outputs and its shipped-default traffic (:func:`_wave`)."""
     llm = make_llm(model_path(), None, max_model_len=1024, max_num_seqs=4)
     try:
-        return _wave(llm, prompts)
+        return _greedy(llm, prompts), _wave(llm, prompts)
     finally:
         shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def vanilla(vanilla_runs):
+    return vanilla_runs[0]
+
+
+@pytest.fixture(scope="module")
+def vanilla_wave(vanilla_runs):
+    return vanilla_runs[1]
 
 
 def test_shipped_serving_json_as_shipped(prompts, vanilla_wave):

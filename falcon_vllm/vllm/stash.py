@@ -42,12 +42,8 @@ class BlockInputStash:
         # verified, as a pass then would
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]] = {}
         # slots whose pending rows were dropped unrun since the owner last drained them (their drafter K/V has a
-        # gap: FalconProposer._note_drops marks those requests)
+        # gap: FalconProposer.note_drops marks those requests)
         self.dropped: set[int] = set()
-
-    def owner(self, slot: int) -> str | None:
-        """The request id that holds ``slot`` (None: free)."""
-        return next((r for r, s in self._slot_of.items() if s == slot), None)
 
     def drain_dropped(self) -> list[str]:
         """The requests whose pending rows were dropped unrun since the last call."""
