@@ -433,7 +433,7 @@ def build_tree(spec, k: int) -> DecodingTree:
         return DecodingTree(paths, k)
     import os
     if os.path.isfile(s):
-        from falcon_vllm.tune_tree import read_tree_file
+        from falcon_vllm.schema import read_tree_file
 
         return DecodingTree(read_tree_file(s).paths or [], k, os.path.basename(s))
     raise ValueError(f"falcon-vllm: unknown tree {spec!r}; use a preset ({', '.join(preset_names())}), a list of "

@@ -16,7 +16,7 @@ from pathlib import Path
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.datastore import Datastore
 from falcon_vllm.tree import build_tree
-from falcon_vllm.tune_tree import LOOKUP_BATCH_KEY, LOOKUP_KEYS, STORE_KEYS, read_tree_file
+from falcon_vllm.schema import LOOKUP_BATCH_KEY, LOOKUP_KEYS, STORE_KEYS, read_tree_file
 
 GEMM_DTYPES = ("auto", "bfloat16", "int8", "model")  # draft_gemm_dtype values: falcon_vllm.vllm.model.gemm_dtype
 GEMM_DTYPE_ENV = "FALCON_VLLM_DRAFT_GEMM_DTYPE"  # its default
