@@ -335,7 +335,8 @@ def test_shipped_schedule_follows_this_cpu():
     import torch
     from vllm.platforms import current_platform
 
-    from falcon_vllm.vllm.options import DRAFTERS_DIR, SERVING_FILE, cpu_capability, recommended_serving
+    from falcon_vllm.schema import FalconOptions
+    from falcon_vllm.vllm.options import DRAFTERS_DIR, SERVING_FILE, cpu_capability, with_recommendation
 
     drafter = DRAFTERS_DIR / "smollm2-135m-instruct"
     with open(drafter / SERVING_FILE) as f:
@@ -346,8 +347,8 @@ def test_shipped_schedule_follows_this_cpu():
     assert cpu_capability() == torch.backends.cpu.get_cpu_capability()
     want = shipped["num_speculative_tokens_per_batch_size_by_cpu"].get(
         torch.backends.cpu.get_cpu_capability(), shipped["num_speculative_tokens_per_batch_size"])
-    _, n, keys, _ = recommended_serving(str(drafter))
-    assert n == 8 and keys["num_speculative_tokens_per_batch_size"] == want
+    opts = with_recommendation(FalconOptions(), str(drafter))
+    assert opts.num_speculative_tokens == 8 and opts.num_speculative_tokens_per_batch_size == want
     assert shipped["num_speculative_tokens_per_batch_size_by_cpu"]["AVX512"][0] == [1, 3, 8]
 
 
@@ -403,7 +404,7 @@ def test_datastore_option(dirs, tmp_path):
     assert f["datastore_max_batch"] == 1
     for key in ("datastore_tokens", "datastore_max_batch"):
         for bad in ({**look, key: 2}, *({**look, "datastore": str(ds), key: v} for v in (0, True))):
-            with pytest.raises(ValueError, match=f"{key} must be an integer >= 1 and comes with a datastore"):
+            with pytest.raises(ValueError, match=f"{key} (must be an integer >= 1|comes with a datastore)"):
                 _config(dirs, bad)
     assert "datastore" not in _config(dirs, look).speculative_config.draft_model_config.hf_config.falcon
     with pytest.raises(ValueError, match="looked up with prompt lookup"):
@@ -447,9 +448,9 @@ def test_falcon_max_batch_option(dirs, tmp_path):
     assert f["falcon_max_batch"] == 3 and f["prompt_lookup"] == [3, 3]
     for bad in ({**look, "falcon_max_batch": -1}, {**look, "falcon_max_batch": True},
                 {**look, "falcon_max_batch": "3"}):
-        with pytest.raises(ValueError, match="falcon_max_batch must be an integer >= 0 and comes with prompt lookup"):
+        with pytest.raises(ValueError, match="falcon_max_batch must be an integer >= 0"):
             _config(dirs, bad)
-    with pytest.raises(ValueError, match="without it"):
+    with pytest.raises(ValueError, match="falcon_max_batch comes with prompt lookup"):
         _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4,
                        "falcon_max_batch": 3})
     rec = tmp_path / "rec"
@@ -581,3 +582,18 @@ def test_cpu_rms_norm_matches_vllm_native():
         out, res = model["a"](x.clone(), r.clone())
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(res, want_res, rtol=1e-6, atol=1e-6)
+
+
+def test_new_and_old_key_names_give_the_same_engine_config(dirs):
+    """drafter_tokens / drafter_max_batch / drafter_k (the schema's names) and their old names falcon_tokens /
+    falcon_max_batch / falcon_k resolve to the same drafter config; both names at once are refused."""
+    base = {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    new = _config(dirs, {**base, "drafter_tokens": 2, "drafter-max-batch": 3, "drafter_k": 2})
+    old = _config(dirs, {**base, "falcon_tokens": 2, "falcon_max_batch": 3, "falcon_k": 2})
+    f_new = new.speculative_config.draft_model_config.hf_config.falcon
+    assert f_new == old.speculative_config.draft_model_config.hf_config.falcon
+    assert f_new["falcon_tokens"] == 2 and f_new["falcon_max_batch"] == 3
+    with pytest.raises(ValueError, match="drafter_k=3 but the drafter"):
+        _config(dirs, {**base, "drafter_k": 3})
+    with pytest.raises(ValueError, match="are the same key; give one"):
+        _config(dirs, {**base, "drafter_tokens": 2, "falcon_tokens": 2})
