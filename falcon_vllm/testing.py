@@ -25,13 +25,13 @@ from falcon_vllm.drafter import FalconDrafter
 
 
 def tiny_llama(vocab: int = 128, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               inter: int = 128, seed: int = 0, qwen2: bool = False, max_pos: int = 2048):
+               inter: int = 128, seed: int = 0, qwen2: bool = False, max_pos: int = 2048, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
               num_key_value_heads=kv_heads, intermediate_size=inter, max_position_embeddings=max_pos,
-              rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+              rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=1,
               pad_token_id=0)
     if qwen2:
         cfg = Qwen2Config(**kw, rope_theta=1e6)
@@ -43,6 +43,8 @@ def tiny_llama(vocab: int = 128, hidden: int = 64, layers: int = 2, heads: int =
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.4 / math.sqrt(p.shape[1]) if "embed" not in name else 1.0)
+            elif tied and name.endswith("proj.bias"):  # Qwen2's q/k/v biases, which start at zero
+                p.normal_(0, 0.5)
     return model.float().eval()
 
 
@@ -112,6 +114,8 @@ def random_drafter(target, k: int = 2, fusion: str = "lstm", num_layers: int = 1
         for name, p in d.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 1.0 / math.sqrt(p.shape[1]))
+            elif cfg.attention_bias and name.endswith("proj.bias"):  # a Qwen2-style layer's q/k/v biases
+                p.normal_(0, 0.5)
     return d.float().eval()
 
 

@@ -200,6 +200,9 @@ class FalconDraftModel(nn.Module):
         falcon = dict(getattr(self.config, "falcon", {}) or {})
         H = self.config.hidden_size
         self.fusion = falcon.get("fusion", "lstm")
+        # the layers are named after the target's (layers.{start_layer_id + i}); a config with per-layer types
+        # (Qwen2's layer_types) is indexed from the drafter's first layer, as vLLM's EAGLE-3 drafters do
+        self.config.target_layer_count = start_layer_id
         self.embed_tokens = VocabParallelEmbedding(self.config.vocab_size, H,
                                                    prefix=maybe_prefix(prefix, "embed_tokens"))
         self.layers = nn.ModuleList(
