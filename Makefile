@@ -53,8 +53,11 @@ test-fast: venv
 demo: models
 	$(PY) -m falcon_vllm.cli demo
 
+# Falcon's end-to-end speedup against vanilla vLLM, both in one run (`falcon-vllm bench --help`; a few minutes
+# here); `make bench BENCH_ARGS="--compile --batch-sizes 1,4"` passes other options.
+BENCH_ARGS ?= --batch-sizes 1 --pairs 5
 bench: models
-	$(PY) benchmarks/bench_e2e.py --help
+	$(PY) -m falcon_vllm.cli bench $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -26,12 +26,13 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# several engines live in this process: 1 GiB of KV cache each (harness.engines sets the rest of the environment)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from ab_step import _compile_words, build_engines, command_line  # noqa: E402  (sets the environment first)
-from cpu_gemm_rows import cpu_name  # noqa: E402
-from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT  # noqa: E402
-from report import write_report  # noqa: E402
+from harness.engines import build_engines, command_line, compile_words  # noqa: E402  (sets the environment)
+from harness.machine import cpu_name  # noqa: E402
+from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS  # noqa: E402
+from harness.report import write_report  # noqa: E402
 
 
 def arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -146,7 +147,7 @@ def write(args, rows) -> None:
              f"Machine: {meta['machine']}.  {args.traces} traces of {args.requests} requests per rate "
              f"({args.dataset} prompts, greedy, up to {args.max_new_tokens} tokens, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}; max_num_seqs {args.max_num_seqs}; "
-             f"{_compile_words(args.compile)}); every configuration serves the same traces, the order rotating. "
+             f"{compile_words(args.compile)}); every configuration serves the same traces, the order rotating. "
              f"latency: arrival to last token; TTFT: arrival to first token; TPOT: seconds per token after the "
              f"first; batch: requests per model step, averaged over steps.  speedup = the baseline's mean latency "
              f"over the configuration's on the same trace, median (min-max) over traces; total: over every request; "
@@ -160,7 +161,7 @@ def write(args, rows) -> None:
                      f"{r['tokens_per_s']:.1f} | {r['mean_batch']:.2f} | {r['speedup_vs_base']:.3f}x | "
                      f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {r['speedup_total']:.3f}x | "
                      f"{r['identical_to_base']}/{r['requests']} |")
-    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name, {**meta, "rows": rows}, lines)
+    write_report(RESULTS, args.name, {**meta, "rows": rows}, lines)
 
 
 def main(argv=None) -> None:

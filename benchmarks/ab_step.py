@@ -1,6 +1,6 @@
 """A/B end-to-end ratio of vLLM configurations, all engines in one process, generations alternating.
 
-Separate processes per configuration (``profile_step.py``, ``bench_e2e.py``) see per-process effects on
+Separate processes per configuration (``profile_step.py``, ``studies/bench_e2e.py``) see per-process effects on
 a shared CPU (where the weights land in memory, load drift between processes) of 10-20%, larger than
 the differences some questions ask about (e.g. "does a step whose schedule drafts nothing cost what a
 vanilla step costs, within 2%?").  Here every configuration's engine lives in this one process; the
@@ -30,103 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 
-# the environment that changes what is measured, as the caller set it (vLLM's CPU platform later adds its own
-# libraries to LD_PRELOAD for the processes it starts): it goes into the results' command
-CALLER_ENV = {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD") if os.environ.get(k)}
-# several engines live in this process: 1 GiB of KV cache each (profile_step's environment sets the rest)
+# several engines live in this process: 1 GiB of KV cache each (harness.engines sets the rest of the environment)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_gemm_rows import cpu_name  # noqa: E402
-# its environment, its configuration names
-from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, ROOT, key_values, spec_for  # noqa: E402
-from report import write_report  # noqa: E402
-
-
-def proposer_attrs(cfg: str) -> tuple[str, dict]:
-    """``<cfg>^attr=value``: set an attribute of the Falcon proposer after start-up (implementation switches
-    to A/B, e.g. ``falcon^prune_chunk=false``); values as in ``%key=value`` (profile_step.key_values)."""
-    cfg, *attrs = cfg.split("^")
-    return cfg, key_values(attrs, cfg)
-
-
-def build_engines(args, model: str, max_num_seqs: int):
-    """One engine per configuration (``args.configs``, ``args.compile``, ``args.drafter``, ...), in this process.
-
-    Returns (labels, engines: label -> LLM, switch(label): set that label's proposer attributes, step_count:
-    label -> [model steps, seconds in propose_draft_token_ids, requests scheduled over those steps])."""
-    from vllm import LLM
-
-    engines = {}  # label -> engine (a configuration given twice, e.g. vanilla,vanilla: the noise floor)
-    labels = [c if args.configs.count(c) == 1 else f"{c}#{i}" for i, c in enumerate(args.configs)]
-    compiled = set(labels) if args.compile == "all" else {c for c in args.compile.split(",") if c}
-    if compiled - set(labels):
-        raise SystemExit(f"falcon-vllm: --compile names no configuration: {sorted(compiled - set(labels))} "
-                         f"(the labels are {labels})")
-    # configurations that differ only in ^attr=value share one engine (one compiled model, the same memory): the
-    # attributes are set before each of their generations, so the pair's ratio sees only what the attributes change
-    from falcon_vllm.vllm.proposer import falcon_proposer
-
-    shared = {}  # (configuration without ^attrs, compiled, the label of a repeated configuration) -> engine
-    switches = {}  # label -> (its engine's Falcon proposer or None, {attr: value})
-    for label, cfg in zip(labels, args.configs):
-        base_cfg, attrs = proposer_attrs(cfg)
-        key = (base_cfg, label in compiled, label if args.configs.count(cfg) > 1 else "")  # vanilla,vanilla: two
-        if key not in shared:
-            shared[key] = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=label not in compiled,
-                              max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False,
-                              disable_log_stats=False, speculative_config=spec_for(base_cfg, args.drafter,
-                                                                                   args.num_spec_tokens,
-                                                                                   args.eagle_drafter))
-        engines[label] = shared[key]
-        prop = falcon_proposer(engines[label].llm_engine.model_executor.driver_worker.worker.model_runner)
-        for attr in attrs:
-            if prop is None or not hasattr(prop, attr):
-                raise SystemExit(f"falcon-vllm: configuration {label!r}: no Falcon proposer attribute {attr!r}")
-        switches[label] = (prop, attrs)
-    defaults = {}  # proposer -> the start-up values of every attribute some label sets
-    for prop, attrs in switches.values():
-        for attr in attrs:
-            defaults.setdefault(id(prop), {}).setdefault(attr, getattr(prop, attr))
-
-    def switch(label):
-        prop, attrs = switches[label]
-        for attr, value in defaults.get(id(prop), {}).items():
-            setattr(prop, attr, attrs.get(attr, value))
-    # model steps per generation, counted at the runner (vLLM's spec-decode metrics live in one registry per
-    # process, which only the engine built last reports to), the prefill step included: until the batch's
-    # slowest request finishes, so max_new_tokens / steps is the tokens per step only at batch 1
-    # and the seconds in the runner's propose_draft_token_ids (vLLM's drafter input preparation and the drafter)
-    step_count = {}
-    # engine -> [steps, drafting seconds, requests scheduled] (labels sharing an engine count their own generations')
-    counters = {}
-    for cfg, llm in engines.items():
-        if id(llm) in counters:
-            step_count[cfg] = counters[id(llm)]
-            continue
-        count = step_count[cfg] = counters[id(llm)] = [0, 0.0, 0]
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        orig, orig_draft = runner.execute_model, runner.propose_draft_token_ids
-
-        def execute_model(scheduler_output, *a, _orig=orig, _count=count, **kw):
-            _count[0] += scheduler_output.total_num_scheduled_tokens > 0
-            _count[2] += len(scheduler_output.num_scheduled_tokens)
-            return _orig(scheduler_output, *a, **kw)
-
-        def propose_draft_token_ids(*a, _orig=orig_draft, _count=count, **kw):
-            t = time.perf_counter()
-            try:
-                return _orig(*a, **kw)
-            finally:
-                _count[1] += time.perf_counter() - t
-
-        runner.execute_model, runner.propose_draft_token_ids = execute_model, propose_draft_token_ids
-    return labels, engines, switch, step_count
+from harness.engines import build_engines, command_line, compile_words  # noqa: E402  (sets the environment)
+from harness.machine import cpu_name  # noqa: E402
+from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS  # noqa: E402
+from harness.report import write_report  # noqa: E402
 
 
 def run(args) -> list[dict]:
@@ -203,18 +117,6 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _compile_words(compile_arg: str) -> str:
-    if compile_arg == "all":
-        return "torch.compile (vLLM default)"
-    return f"torch.compile for {compile_arg}, the others eager" if compile_arg else "eager"
-
-
-def command_line(script: str) -> str:
-    """This run's command as the results record it: the caller's measured environment, repository-relative paths."""
-    env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
-    return env + f"python benchmarks/{script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
 def write(args, rows) -> None:
     cmd = command_line("ab_step.py")
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
@@ -230,7 +132,7 @@ def write(args, rows) -> None:
              f"{', every turn (a generation: the conversation, later turns after the baseline answers)' if args.turn == 0 else ''}"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, {decoding}, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}; "
-             f"{_compile_words(args.compile)}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
+             f"{compile_words(args.compile)}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
              f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done; ms/step: the "
@@ -245,12 +147,15 @@ def write(args, rows) -> None:
                      f"{r['tokens_per_generation']:.1f} | "
                      f"{r['steps_per_generation']:.1f} | {r['ms_per_step']:.1f} | {r['drafting_ms_per_step']:.2f} | "
                      f"{'- (sampled)' if r['identical_to_base'] is None else r['identical_to_base']} |")
-    write_report(os.path.join(ROOT, "benchmarks", "results"), args.name, {**meta, "rows": rows}, lines)
+    write_report(args.out_dir, args.name, {**meta, "rows": rows}, lines)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="vanilla,chain:2", help="comma-separated; the first is the baseline")
+def main(argv=None, prog: str | None = None, description: str | None = None, defaults: dict | None = None) -> None:
+    """Parse ``argv`` (``prog``, ``description`` and ``defaults`` let ``falcon-vllm bench`` present it), run, write."""
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="vanilla,chain:2",
+                   help="comma-separated; the first is the baseline (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--stop-at-eos", action="store_true",
@@ -275,7 +180,9 @@ def main(argv=None) -> None:
                         "or for the comma-separated configuration labels given (a configuration given twice is "
                         "labelled <config>#<index>: `--configs vanilla,vanilla --compile 'vanilla#1'` times eager "
                         "against compiled); a compiled engine takes a minute or two more to build")
-    p.add_argument("--name", default="ab_step")
+    p.add_argument("--name", default="ab_step", help="writes <out-dir>/<name>.{json,md} (default: %(default)s)")
+    p.add_argument("--out-dir", default=RESULTS, help="default: benchmarks/results")
+    p.set_defaults(**(defaults or {}))
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from harness.paths import RESULTS
+
 HEADS = {"7b": (32, 32, 128), "13b": (40, 40, 128), "gqa8": (32, 8, 128)}  # (Hq, Hkv, D)
 PEAK_HBM = {"H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
             "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12, "A100": 1.555e12}
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="GPU: time every tile configuration (block_m, splits, warps) per shape instead")
     p.add_argument("--name", default=None, help="results name (default kernels_<device>)")
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     TIMING["graph"] = a.timing == "graph"
     if a.smoke:

@@ -16,32 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def cpu_name() -> str:
-    """CPU model and the vector extensions that matter to the GEMMs, e.g. 'AMD EPYC ..., AVX-512 (bf16)'."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                if key.strip() == "model name":
-                    model = val.strip()
-                elif key.strip() == "flags":
-                    flags = set(val.split())
-                    break
-    except OSError:
-        pass
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    if isa and "avx512_bf16" in flags:
-        isa += " (bf16)"
-    return f"{model}, {os.cpu_count()} CPUs" + (f", {isa}" if isa else "")
+from harness.machine import cpu_name
+from harness.paths import RESULTS
 
 
 def linear_shapes(cfg) -> list[tuple[int, int]]:
@@ -118,9 +98,9 @@ def main(argv=None) -> int:
              f"{args.rounds} rounds.  Attention, norms and the rest of a step are not included.", "",
              f"| rows M | ms per sweep | vs M={rows[0]} |", "|---|---|---|"]
     lines += [f"| {r['rows']} | {r['ms']:.2f} | {r['vs_first']:.2f}x |" for r in result["rows"]]
-    from report import write_report
+    from harness.report import write_report
 
-    write_report(os.path.join(HERE, "results"), args.name, result, lines)
+    write_report(RESULTS, args.name, result, lines)
     print("\n".join(lines))
     return 0
 

@@ -24,8 +24,6 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 TORCH_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}  # the drafter's matmul dtypes (None: the model's, fp32)
 DTYPES = tuple(TORCH_DTYPES)
 
@@ -77,10 +75,10 @@ def measure(shapes, rows, copies: int, rounds: int) -> dict[tuple[str, int], flo
 
 
 def main() -> int:
-    from ab_step import command_line
-    from cpu_gemm_rows import cpu_name
-    from profile_step import DEFAULT_DRAFTER
-    from report import write_report
+    from harness.engines import command_line
+    from harness.machine import cpu_name
+    from harness.paths import DEFAULT_DRAFTER, RESULTS
+    from harness.report import write_report
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter directory (its config.json gives the shapes)")
@@ -109,7 +107,7 @@ def main() -> int:
              "| rows | fp32 ms | bf16 ms | int8 ms | int8 / bf16 |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['fp32']:.3f} | {r['bf16']:.3f} | {r['int8']:.3f} | {r['int8'] / r['bf16']:.2f} |"
               for r in result["rows"]]
-    write_report(os.path.join(HERE, "results"), args.name, result, lines)
+    write_report(RESULTS, args.name, result, lines)
     print("\n".join(lines))
     return 0
 

@@ -56,8 +56,8 @@ import zlib
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.normpath(os.path.join(HERE, ".."))
+from harness.paths import RESULTS, ROOT
+
 # KVCacheLayout: stride order of the logical [L, B(locks), H, N(slots), C] axes (vllm/v1/kv_cache_layout.py)
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
            "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
@@ -928,7 +928,7 @@ def parser():
     p.add_argument("--stub-vllm", action="store_true", help="use the vLLM stand-ins even where vLLM is importable")
     p.add_argument("--reps", type=int, default=5, help="CUDA: timed repetitions per piece")
     p.add_argument("--name", default=None, help="results name (default gpu_check_<device>)")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=RESULTS)
     return p
 
 

@@ -24,48 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from report import write_report  # noqa: E402
-
-DATASETS = ("mt-bench", "humaneval", "gsm8k")
-
-
-def eval_set(dataset: str, n: int, max_new_tokens: int, work: str, target_dir: str, target=None,
-             aux_layers: tuple[int, ...] = ()) -> list:
-    """The target's greedy answers to the first turn of ``n`` prompts of ``dataset`` (gen-data samples);
-    ``mt-bench-turn2``: to MT-Bench's second turn after its own first answer (only the second is scored,
-    with at most 256 tokens of context before it, as the trainer keeps 128).  With ``aux_layers``, the
-    features also carry the states entering those layers of ``target`` (for drafters that read them)."""
-    from falcon_vllm.models import load_chat_prompts
-    from falcon_vllm.train import gen_data
-    from falcon_vllm.train.trainer import crop_context
-
-    turns = 2 if dataset == "mt-bench-turn2" else 1
-    out = os.path.join(work, f"{dataset}_n{n}_t{max_new_tokens}")
-    if not os.path.exists(os.path.join(out, "manifest.json")):
-        os.makedirs(out, exist_ok=True)
-        src = os.path.join(out, "prompts.json")  # ShareGPT layout: the target writes the answers
-        with open(src, "w") as f:
-            json.dump([{"id": str(p["id"]),
-                        "conversations": [m for q in p["turns"][:turns]
-                                          for m in ({"from": "human", "value": q}, {"from": "gpt", "value": "-"})]}
-                       for p in load_chat_prompts("mt-bench" if turns == 2 else dataset, n)], f)
-        import importlib.util
-        backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-        gen_data.run(target_dir, out, None, max_new_tokens, data=src, backend=backend, max_turns=turns,
-                     loss_from_turn=turns)
-    samples = gen_data.load_shards(out, aux=False)
-    if aux_layers:
-        samples = gen_data.with_aux_states(target, samples, aux_layers)
-    return [crop_context(s, 256) for s in samples if s.loss_mask.any()] if turns == 2 else samples
-
+from harness.paths import RESULTS
+from harness.prompts import DATASETS, eval_set
+from harness.report import write_report
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--roots", type=int, default=400, help="tree roots per dataset for sim tau")
     p.add_argument("--best-trees", default="",
                    help="node counts, e.g. 16: also the sim tau of each drafter's best tree of that size, fitted "
-                        "to half of the roots and scored on the other half (tune_tree.cross_fit_tau)")
+                        "to half of the roots and scored on the other half (acceptance.cross_fit_tau)")
     p.add_argument("--context", choices=["relaxed", "causal"], default="relaxed",
                    help="top-1 as training computes it (relaxed: every block sees its whole block) or as vLLM's "
                         "proposer does (causal: the positions before the block with causal K/V; differs only "
@@ -90,7 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default="heldout_eval")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -99,7 +65,8 @@ def main(argv=None) -> int:
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards, stored_aux_layers, with_aux_states
-    from falcon_vllm.train.trainer import evaluate, split_held_out
+    from falcon_vllm.train.data import split_held_out
+    from falcon_vllm.train.evaluation import evaluate
     from falcon_vllm.tree import build_tree
 
     t0 = time.time()

@@ -21,14 +21,10 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+from harness.engines import spec_for  # sets the environment: in-process engine, offline
+from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, portable
 
-from bench_e2e import _portable  # noqa: E402
-from profile_step import DEFAULT_DRAFTER, DEFAULT_EAGLE, spec_for  # noqa: E402
-
-from falcon_vllm.soak import make_prompts, rss_mb  # noqa: E402
+from falcon_vllm.soak import make_prompts, rss_mb
 
 
 def run_worker(a) -> None:
@@ -113,8 +109,8 @@ def main() -> int:
         spec_for(cfg, a.drafter, 2, a.eagle_drafter)  # an unknown name fails before any engine starts
     res = {"name": a.name, "command": "python benchmarks/memory_rounds.py " + " ".join(sys.argv[1:]),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-           "args": {k: _portable(v) for k, v in vars(a).items() if k != "worker"}, "series": {}, "summary": {}}
-    out = os.path.join(HERE, "results", a.name)
+           "args": {k: portable(v) for k, v in vars(a).items() if k != "worker"}, "series": {}, "summary": {}}
+    out = os.path.join(RESULTS, a.name)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine in the worker's own process
     for cfg in configs:
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", "--configs", cfg]

@@ -43,103 +43,13 @@ import sys
 import time
 from collections import defaultdict
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from harness.engines import spec_for  # sets the environment: in-process engine, offline
+from harness.machine import cpu_name
+from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, ROOT
+from harness.timing import Timers
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.normpath(os.path.join(HERE, ".."))
-DEFAULT_DRAFTER = os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct")
-DEFAULT_EAGLE = DEFAULT_DRAFTER + "-eagle"
-sys.path.insert(0, HERE)
-from cpu_gemm_rows import cpu_name  # noqa: E402
 COMPONENTS = ("step", "target forward", "attention", "tree attention", "lm head", "sampler", "compaction",
               "drafting", "drafter passes", "bookkeeping")
-
-
-# ------------------------------------------------------------------------------------------ timers
-class Timers:
-    def __init__(self):
-        self.total = defaultdict(float)
-        self.calls = defaultdict(int)
-        self.on = False
-
-    def wrap(self, owner, attr, name, when=None):
-        """Time ``owner.attr`` (a class or an instance) as component ``name`` while timing is on."""
-        orig = getattr(owner, attr)
-        timers = self
-
-        def timed(*a, **kw):
-            if not timers.on or (when is not None and not when()):
-                return orig(*a, **kw)
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **kw)
-            finally:
-                timers.total[name] += time.perf_counter() - t0
-                timers.calls[name] += 1
-
-        if hasattr(orig, "__falcon_original__"):  # still counts as installed (falcon_vllm.vllm.patches.wrap)
-            timed.__falcon_original__ = orig.__falcon_original__
-        setattr(owner, attr, timed)
-        return orig
-
-
-def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE):
-    kind, _, arg = cfg.partition(":")
-    if kind == "vanilla":
-        return None
-    if kind == "falcon":  # the drafter's own recommendation (its serving.json)
-        return {"method": "falcon", "model": drafter}
-    if kind == "ngram":  # vLLM's n-gram proposer
-        return {"method": "ngram", "num_speculative_tokens": int(arg or num_spec_tokens),
-                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    if kind == "chain":
-        return {"method": "falcon", "model": drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
-    if kind == "lookup":  # lookup[:K[:F[:L[:N]]]]: prompt lookup first (n-grams N-4, N=2 by default, up to K
-        # tokens; adaptive from L tokens when L < K), Falcon's chain of F otherwise
-        K, F, L, N = (arg.split(":") + ["", "", "", ""])[:4]
-        K = int(K or 4)
-        spec = {"method": "falcon", "model": drafter, "num_speculative_tokens": K, "falcon_tokens": int(F or min(K, 2)),
-                "prompt_lookup_min": int(N or 2), "prompt_lookup_max": 4}
-        return dict(spec, lookup_tokens=int(L)) if L else spec
-    if kind == "eagle":  # vLLM's own EAGLE proposer
-        return {"method": "eagle", "model": eagle_drafter, "num_speculative_tokens": int(arg or num_spec_tokens)}
-    if kind == "tree":
-        tree = arg or "tree-2x2x1"
-        if tree.endswith(".json") and not os.path.isabs(tree):
-            tree = os.path.join(ROOT, tree)
-        return {"method": "falcon", "model": drafter, "tree": tree}
-    raise SystemExit(f"falcon-vllm: unknown configuration {cfg!r} (vanilla, falcon, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K], ngram[:K])")
-
-
-def key_values(items: list[str], cfg: str) -> dict:
-    """A configuration's ``key=value`` suffixes -> {key: value} (JSON values; anything else stays a string)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"falcon-vllm: option {item!r} in configuration {cfg!r} is not key=value")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
-def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE):
-    """A configuration name -> its speculative config (None: vanilla).  ``<cfg>%key=value``: more speculative-config
-    keys (JSON values); ``<cfg>@<dir>``: another drafter than ``drafter`` / ``eagle_drafter``."""
-    cfg, *opts = cfg.split("%")  # falcon%draft_gemm_dtype=model: more speculative-config options
-    extra = key_values(opts, cfg)
-    cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
-    if other:
-        drafter = eagle_drafter = other
-    spec = _spec(cfg, drafter, num_spec_tokens, eagle_drafter)
-    if extra and spec is None:
-        raise SystemExit(f"falcon-vllm: vanilla takes no speculative-config options ({opts})")
-    return spec if not extra else {**spec, **extra}
 
 
 def run_worker(args) -> list[dict]:
@@ -251,7 +161,7 @@ def run_driver(args) -> list[dict]:
             for label, root in versions:
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")]
                                                                              if p]))
-                tmp = os.path.join(HERE, "results", f".{args.name}.{label}.part.json")
+                tmp = os.path.join(RESULTS, f".{args.name}.{label}.part.json")
                 procs.append((label, root, tmp, subprocess.Popen(_worker_cmd(args, [cfg], tmp), env=env, cwd=root)))
                 if not args.parallel:
                     procs[-1][3].wait()
@@ -359,8 +269,8 @@ def main(argv=None) -> int:
 
 def _write(args, rows) -> str:
     summary = summarise(rows)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    base = os.path.join(HERE, "results", args.name)
+    os.makedirs(RESULTS, exist_ok=True)
+    base = os.path.join(RESULTS, args.name)
     with open(base + ".json", "w") as f:
         json.dump({"command": args.command, "machine": platform.platform(), "summary": summary, "rows": rows}, f,
                   indent=1)

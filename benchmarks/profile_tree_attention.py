@@ -19,10 +19,10 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import HEADS, bench, make_case, peak_bandwidth  # noqa: E402
+from bench_kernels import HEADS, bench, make_case, peak_bandwidth
+from harness.paths import RESULTS
 
-from falcon_vllm.kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
+from falcon_vllm.kernels.tree_attention import default_config, tree_attention, tree_attention_ref
 
 MERGES = {"separate-fp32": {"fuse_combine": False, "partials": "fp32"},
           "separate-half": {"fuse_combine": False, "partials": "half"},
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--launches", type=int, default=0,
                    help="instead: only this many eager launches of the goal shape's default (for Nsight Compute: "
                         "ncu --kernel-name _tree_attn_fwd --launch-skip 2 --launch-count 1 ...)")
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     if a.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")

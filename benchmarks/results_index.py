@@ -2,19 +2,26 @@
 
     python benchmarks/results_index.py            # rewrite the index
     python benchmarks/results_index.py --check    # exit 1 if the index is stale (tests/test_docs.py runs this)
+    python benchmarks/results_index.py --archive  # move superseded results into archive/, then rewrite the index
 
 A result is a ``<name>.json`` (with its ``<name>.md`` page when there is one) or a ``<name>.md`` page without
 JSON. Each row gives:
 
 - date: the JSON's own ``date`` field when it has one, else the day of the last commit of the file
-  (``git log``; a file not committed yet gets today's date);
+  (``git log``; a file not committed yet gets today's date; an archived one the day of its last commit before
+  the move);
 - tool: the script in the JSON's ``command`` (``benchmarks/<tool>.py``, ``falcon-vllm <command>``), else
   the name's prefix;
-- machine: the JSON's ``machine`` (or ``device``) field, shortened;
+- machine: the JSON's ``machine`` (or ``device``) field, shortened; for a JSON without one, the machine its name
+  ends in (``_avx2``, ``_xeon``, ``_h100``, ...), marked "(name)";
 - metric: the headline figure where the JSON's layout is one this script knows (A/B speedups, held-out
   top-1, soak verdicts, ...), else blank;
 - cited by: the README, docs/ pages and model cards that name the page (brace and ``*`` patterns such as
-  ``ab_v6_b1_{mt-bench,gsm8k}.md`` count).
+  ``ab_v6_b1_{mt-bench,gsm8k}.md`` count);
+- superseded by: the newest run generation of the same measurement: names that differ only in a ``_v<N>``
+  part (none counts as 1), e.g. ``ab_v3_b1_gsm8k`` -> ``ab_v6_b1_gsm8k``.
+
+``--archive`` moves every superseded result (its JSON, page and plots) into ``archive/``; nothing is deleted.
 
 Fast: one ``git log`` for every date, one read of each JSON and of each citing page.
 """
@@ -34,6 +41,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 INDEX = os.path.join(RESULTS, "INDEX.md")
+ARCHIVE = "archive"  # superseded results, under RESULTS
+GENERATION = re.compile(r"_v(\d+)(?=_|$)")  # a run generation in a result's name: ab_v6_b1_gsm8k
+MACHINE_SUFFIXES = {  # the machine a result's name ends in, for JSONs without a machine field
+    "avx2": "AVX2 CPU", "avx512": "AVX-512 CPU", "amx": "AMX CPU", "epyc": "AMD EPYC", "xeon": "Intel Xeon",
+    "spr": "Intel Sapphire Rapids", "h100": "NVIDIA H100",
+}
 CITING = ["README.md", "docs/*.md", "falcon_vllm/drafters/*/README.md"]
 PREFIX_TOOLS = [  # name prefix -> tool, for results whose JSON names no command (first match wins)
     ("ab_arrivals", "ab_arrivals"), ("ab_", "ab_step"), ("heldout_eval", "heldout_eval"),
@@ -55,7 +68,8 @@ def git_dates() -> tuple[dict[str, str], bool]:
     try:
         shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
                                  text=True, check=True).stdout.strip() == "true"
-        log = subprocess.run(["git", "log", "--format=%x00%cs", "--name-only", "--", "benchmarks/results"],
+        log = subprocess.run(["git", "log", "--format=%x00%cs", "--name-only", "--no-renames", "--diff-filter=d",
+                              "--", "benchmarks/results"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return {}, False
@@ -76,7 +90,7 @@ def tool_of(name: str, data) -> str:
     if isinstance(command, list):
         command = " ".join(map(str, command))
     if isinstance(command, str):
-        m = re.search(r"benchmarks/(\w+)\.(?:py|sh)", command)
+        m = re.search(r"benchmarks/(?:studies/)?(\w+)\.(?:py|sh)", command)
         if m:
             return m.group(1)
         m = re.search(r"falcon-vllm (\w[\w-]*)", command)
@@ -88,12 +102,11 @@ def tool_of(name: str, data) -> str:
     return ""
 
 
-def machine_of(data) -> str:
-    if not isinstance(data, dict):
-        return ""
-    m = data.get("machine") or data.get("device_name") or data.get("device") or ""
-    if not isinstance(m, str):
-        return ""
+def machine_of(name: str, data) -> str:
+    m = (data.get("machine") or data.get("device_name") or data.get("device")) if isinstance(data, dict) else None
+    if not isinstance(m, str) or not m:
+        tail = next((t for t in reversed(name.lower().split("_")) if t in MACHINE_SUFFIXES), None)
+        return f"{MACHINE_SUFFIXES[tail]} (name)" if tail else ""
     m = re.split(r"; |, torch | \(torch", m)[0].strip()
     return m if len(m) <= 60 else m[:57] + "..."
 
@@ -175,6 +188,38 @@ def citations(stems: set[str]) -> dict[str, list[str]]:
     return cited
 
 
+def superseded(stems: list[str]) -> dict[str, str]:
+    """{stem: the stem of its family's newest generation} for every result that a newer generation replaces."""
+    families: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for stem in stems:
+        folder, name = os.path.split(stem.removeprefix(ARCHIVE + "/"))  # an archived result keeps its family
+        m = GENERATION.search(name)
+        key = GENERATION.sub("", name, count=1) if m else name
+        families.setdefault((folder, key), []).append((int(m.group(1)) if m else 1, stem))
+    out = {}
+    for members in families.values():
+        top, newest = max(members)
+        out.update({stem: newest for gen, stem in members if gen < top})
+    return out
+
+
+def archive(stems: list[str]) -> list[str]:
+    """Move every superseded result outside ``archive/`` (its .json, .md, .png and _accept/_speedup plots) there;
+    returns the stems moved."""
+    moved = []
+    for stem in sorted(superseded(stems)):
+        if stem.startswith(ARCHIVE + "/"):
+            continue
+        src = os.path.join(RESULTS, stem)
+        dst = os.path.join(RESULTS, ARCHIVE, stem)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        for suffix in (".json", ".md", ".png", "_accept.png", "_speedup.png"):
+            if os.path.exists(src + suffix):
+                os.replace(src + suffix, dst + suffix)
+        moved.append(stem)
+    return moved
+
+
 # ---------------------------------------------------------------------- the index
 def results() -> list[str]:
     """Stems (relative to benchmarks/results, without extension) of every result: JSON files and markdown pages."""
@@ -193,6 +238,7 @@ def build() -> tuple[list[list[str]], list[bool]]:
     today = datetime.date.today().isoformat()
     stems = results()
     cited = citations({os.path.basename(s) for s in stems})
+    newer = superseded(stems)
     rows, fixed = [], []
     for stem in stems:
         base = os.path.join(RESULTS, stem)
@@ -203,35 +249,43 @@ def build() -> tuple[list[list[str]], list[bool]]:
                     data = json.load(f)
             except ValueError:
                 data = None
-        page = stem + (".md" if os.path.exists(base + ".md") else ".json")
-        git_rel = f"benchmarks/results/{stem}"
+        page = _page(stem)
+        # an archived result keeps the date of its last change before the move
+        git_rels = [f"benchmarks/results/{s}" for s in dict.fromkeys([stem.removeprefix(ARCHIVE + "/"), stem])]
         day = data.get("date") if isinstance(data, dict) and isinstance(data.get("date"), str) else None
         known = day is not None
         if day is None:
-            day = dates.get(git_rel + ".json") or dates.get(git_rel + ".md")
+            day = next((dates[r + e] for r in git_rels for e in (".json", ".md") if r + e in dates), None)
             known = day is not None
         name = os.path.basename(stem)
         by = ", ".join(cited.get(name, [])) or "-"
         cell = lambda s: s.replace("|", "/")
-        rows.append([day or today, f"[{stem}]({page})", cell(tool_of(name, data)), cell(machine_of(data)),
-                     cell(metric_of(data)), by])
+        by_newer = f"[{newer[stem]}]({_page(newer[stem])})" if stem in newer else "-"
+        rows.append([day or today, f"[{stem}]({page})", cell(tool_of(name, data)), cell(machine_of(name, data)),
+                     cell(metric_of(data)), by, by_newer])
         fixed.append(known)
     return rows, fixed
 
 
-HEADER = ["date", "result", "tool", "machine", "metric", "cited by"]
+HEADER = ["date", "result", "tool", "machine", "metric", "cited by", "superseded by"]
+
+
+def _page(stem: str) -> str:
+    return stem + (".md" if os.path.exists(os.path.join(RESULTS, stem + ".md")) else ".json")
 
 
 def render(rows: list[list[str]]) -> str:
     cited = sum(r[5] != "-" for r in rows)
+    old = sum(r[6] != "-" for r in rows)
     lines = ["# Results index", "",
              "Generated by `python benchmarks/results_index.py` from the files in this folder (do not edit by hand; "
              "`--check` tells whether it is current). One row per result, newest first: date (the JSON's, else the "
              "file's last commit), the script that wrote it, the machine it ran on, its headline figure where the "
-             "layout is known (A/B: the shipped default's speedup, median pair / whole workload), and the pages "
-             "that cite it. The current headline runs are in the README's table; the reading of every run is in "
+             "layout is known (A/B: the shipped default's speedup, median pair / whole workload), the pages "
+             "that cite it, and the newer run generation that supersedes it (superseded results live in "
+             "`archive/`: `--archive` moves them there). The current headline runs are in the README's table; the reading of every run is in "
              "[docs/findings.md](../../docs/findings.md).", "",
-             f"{len(rows)} results, {cited} cited by the README, docs/ or a model card.", "",
+             f"{len(rows)} results, {cited} cited by the README, docs/ or a model card, {old} superseded.", "",
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     order = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1]), reverse=True)
     lines += ["| " + " | ".join(rows[i]) + " |" for i in order]
@@ -252,7 +306,11 @@ def _masked(text: str, masked_results: set[str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if INDEX.md is not what this script would write")
+    p.add_argument("--archive", action="store_true", help="move superseded results into archive/ first")
     args = p.parse_args(argv)
+    if args.archive and not args.check:
+        for stem in archive(results()):
+            print(f"archived {stem}")
     rows, fixed = build()
     text = render(rows)
     if not args.check:

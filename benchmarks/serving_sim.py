@@ -41,10 +41,9 @@ import time
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from heldout_eval import DATASETS, eval_set  # noqa: E402
-from report import write_report  # noqa: E402
+from harness.paths import RESULTS
+from harness.prompts import DATASETS, eval_set
+from harness.report import write_report
 
 DEFAULT_COSTS = {"vanilla": 33.8, "overhead": 1.0, "pass": 4.3, "row": 0.3}
 
@@ -101,7 +100,7 @@ def parse_policy(spec: str, serving: dict | None) -> dict:
         if serving.get("prompt_lookup_max"):
             return {"lookup": (K, serving.get("lookup_tokens") or K, serving.get("prompt_lookup_min", 2),
                                serving["prompt_lookup_max"]),
-                    "drafter": serving.get("falcon_tokens", min(K, 2))}
+                    "drafter": serving.get("drafter_tokens", serving.get("falcon_tokens", min(K, 2)))}
         return {"lookup": None, "drafter": K}
     if kind == "chain":
         return {"lookup": None, "drafter": parts[0] if parts else 2}
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default="serving_sim")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

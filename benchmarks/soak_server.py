@@ -17,19 +17,17 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness.paths import DEFAULT_DRAFTER, RESULTS, ROOT
 
-from falcon_vllm.soak import markdown, soak  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from falcon_vllm.soak import markdown, soak
 
 
-def main() -> int:
+def main(argv=None) -> int:
     from falcon_vllm.models import model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, falcon_vllm.models)")
-    ap.add_argument("--drafter", default=os.path.join(HERE, "..", "falcon_vllm", "drafters", "smollm2-135m-instruct"))
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER)
     ap.add_argument("--tree", default="tree-2x2x1",
                     help="tree preset, paths or file; a chain-N runs chain mode; `default`: the drafter's own "
                          "recommendation (its serving.json: what `{\"method\": \"falcon\", \"model\": <drafter>}` gets); "
@@ -52,20 +50,20 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/falcon-soak", help="server logs")
     ap.add_argument("--out", default=None, help="<out>.json, <out>.md (default: results/soak_smollm2_tree, or "
                                                  "results/soak_smollm2_<default|vanilla> with that --tree)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     model = str(a.model or model_path())
     server_args = ["--dtype", "float32", "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
                    "--enforce-eager"]
     kind = a.tree if a.tree in ("default", "vanilla") else "tree"
     spec = {"method": "falcon", "model": os.path.abspath(a.drafter)} | ({"tree": a.tree} if kind == "tree" else {})
     spec_args = [] if kind == "vanilla" else ["--speculative-config", json.dumps(spec)]
-    a.out = a.out or os.path.join(HERE, "results", "soak_smollm2_" + kind)
+    a.out = a.out or os.path.join(RESULTS, "soak_smollm2_" + kind)
     res = soak(model, server_args, spec_args, a.workdir, clients=a.clients,
                duration=a.duration, num_prompts=a.num_prompts, max_words=a.max_words, p_abort=a.p_abort,
                p_malformed=a.p_malformed, p_greedy=a.p_greedy, seed=a.seed, max_rss_growth=a.max_rss_growth,
                min_completed=a.min_completed, max_duration=a.max_duration)
     def local(text: str) -> str:  # results name the project's files, not where they lay on this machine
-        return text.replace(os.path.dirname(HERE) + os.sep, "").replace(os.path.dirname(model) + os.sep, "")
+        return text.replace(ROOT + os.sep, "").replace(os.path.dirname(model) + os.sep, "")
 
     with open(a.out + ".json", "w") as f:
         f.write(local(json.dumps(res, indent=1, default=str)))

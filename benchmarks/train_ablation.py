@@ -20,7 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from harness.paths import RESULTS
 
 # name -> (flags changed from the defaults, what it tests)
 VARIANTS = {
@@ -58,12 +58,12 @@ TREES = {2: ["falcon-llama", "falcon-vicuna", "chain-4", "chain-6", "chain-8"],
 
 def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
     """Held-out simulated tau of several trees from one set of true-path rank profiles (top-20, depth 8), the
-    roots spread over the conversations as in the trainer's evaluation (``trainer.root_profiles``)."""
+    roots spread over the conversations as in the trainer's evaluation (``train.evaluation.root_profiles``)."""
     import torch
 
-    from falcon_vllm.train.trainer import root_profiles
+    from falcon_vllm.train.evaluation import root_profiles
     from falcon_vllm.tree import build_tree
-    from falcon_vllm.tune_tree import accepted_length, mean_tau, standard_error
+    from falcon_vllm.acceptance import accepted_length, mean_tau, standard_error
 
     k = drafter.config.k
     trees = {n: build_tree(n, k) for n in names}
@@ -81,7 +81,7 @@ def sim_tau_trees(drafter, samples, names, max_roots: int = 240):
 
 def paired_diff(a, b):
     """Mean and standard error of a - b over the same held-out roots (None when the roots differ)."""
-    from falcon_vllm.tune_tree import standard_error
+    from falcon_vllm.acceptance import standard_error
 
     if not a or len(a) != len(b):
         return None
@@ -99,7 +99,7 @@ def rescore(args, name) -> None:
     from falcon_vllm.drafter import FalconDrafter
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import crop_context, split_held_out
+    from falcon_vllm.train.data import crop_context, split_held_out
 
     out = os.path.join(args.work, name)
     target = AutoModelForCausalLM.from_pretrained(str(model_path()), dtype=torch.float32).eval()
@@ -116,7 +116,7 @@ def prepare_teacher(data_dir):
 
     from falcon_vllm.models import model_path
     from falcon_vllm.train.gen_data import load_shards
-    from falcon_vllm.train.trainer import cached_teacher
+    from falcon_vllm.train.data import cached_teacher
 
     target = AutoModelForCausalLM.from_pretrained(str(model_path()), dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -216,7 +216,7 @@ def main(argv=None):
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--only", default=None, help="comma-separated variant names (default: all, in order)")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--results", default=os.path.join(HERE, "results"))
+    p.add_argument("--results", default=RESULTS)
     p.add_argument("--name", default="ablation_smollm2")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -29,17 +29,15 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+from harness.machine import cpu_name
 
-from cpu_gemm_rows import cpu_name  # noqa: E402
-from falcon_vllm.train import trainer  # noqa: E402
-from falcon_vllm.train.gen_data import Sample  # noqa: E402
+from falcon_vllm.train import data, recipes, trainer
+from falcon_vllm.train.gen_data import Sample
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
                rms_norm_eps=1e-5)
-_R = trainer.RECIPES["smollm2"]  # the shipped recipe's drafter settings, as run_recipe passes them to TrainConfig
+_R = recipes.RECIPES["smollm2"]  # the shipped recipe's drafter settings, as run_recipe passes them to TrainConfig
 RECIPE = {"falcon": dict(k=_R["k"], fusion=_R["fusion"], layers=_R["falcon_layers"],
                          block_order=_R["falcon_block_order"], tree=_R["tree"]),
           "eagle": dict(mode="eagle", tree=_R["eagle_tree"])}
@@ -108,7 +106,7 @@ def run(args) -> dict:
     draft_vocab = min(_R["draft_vocab"], V // 2)
     rec = {"t_teacher": 0.0, "ends": [], "starts": [], "epochs": [], "losses": [], "positions": [], "answer": [],
            "convs": []}
-    step, cache = trainer.train_step, trainer.teacher_cache
+    step, cache = trainer.train_step, data.teacher_cache
 
     def sync():
         if cuda:
@@ -142,14 +140,14 @@ def run(args) -> dict:
                                   draft_vocab=draft_vocab, bf16=args.bf16, device=args.device, eval_every_epoch=False,
                                   resume=False, eval_roots=args.eval_roots,
                                   logit_positions=args.logit_positions or None)
-        trainer.train_step, trainer.teacher_cache = timed_step, timed_cache
+        trainer.train_step, data.teacher_cache = timed_step, timed_cache
         try:
             t_train = time.perf_counter()
             res = trainer.train(cfg, samples=samples, target=target, log=lambda s: None)
             sync()
             t_done = time.perf_counter()
         finally:
-            trainer.train_step, trainer.teacher_cache = step, cache
+            trainer.train_step, data.teacher_cache = step, cache
     w = args.warmup
     dts = [b - a for a, b in zip(rec["ends"][w - 1:-1], rec["ends"][w:])]
     inside = [b - a for a, b in zip(rec["starts"][w:], rec["ends"][w:])]

@@ -34,14 +34,10 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+from harness.paths import RESULTS
+from harness.report import write_report
 
-from report import write_report  # noqa: E402
-
-from falcon_vllm.vllm import patches  # noqa: E402  (imports no vLLM)
+from falcon_vllm.vllm import patches  # imports no vLLM
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "falcon-vllm", "wheels")
 STATUSES = ("present", "signature changed", "moved", "gone")
@@ -577,7 +573,7 @@ def main(argv=None, pm=patches) -> int:
     p.add_argument("--source", action="append", default=[],
                    help="a directory holding the vllm package, e.g. a site-packages directory (repeatable)")
     p.add_argument("--cache", default=CACHE, help="where downloaded wheels are kept (default %(default)s)")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--no-report", action="store_true", help="print the table only, write no results files")
     p.add_argument("--check", action="store_true", help="exit 1 when a non-optional entry is not present")
     a = p.parse_args(argv)

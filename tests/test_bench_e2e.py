@@ -1,4 +1,5 @@
-"""The end-to-end benchmark harness: counter-based metrics, and a full run on a tiny model."""
+"""benchmarks/studies/bench_e2e.py (separate engines, one after another): counter-based metrics, and a full run on
+a tiny model."""
 
 import importlib.util
 import json
@@ -12,7 +13,7 @@ from tests.vllm_util import save_target
 from falcon_vllm.testing import random_drafter, tiny_llama
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import bench_e2e  # noqa: E402
+from studies import bench_e2e  # noqa: E402
 
 FIELDS = {"method", "dataset", "model", "drafter", "batch_size", "temperature", "num_prompts", "generated_tokens",
           "tau", "tau_excl_bonus", "alpha", "tokens_per_s", "speedup_vs_vanilla", "greedy_identical", "command",
@@ -84,7 +85,7 @@ def test_harness_end_to_end(tmp_path, monkeypatch):
         assert r["greedy_identical"] is True and r["deterministic_across_repeats"] is True
         assert r["speedup_vs_vanilla"] > 0 and r["tau"] >= 1.0 and 0 <= r["alpha"] <= 1
         assert r["engine"] == ("reference" if r["method"].startswith("ref-") else "vllm")
-        assert r["command"].startswith("benchmarks/bench_e2e.py --model")
+        assert r["command"].startswith("benchmarks/studies/bench_e2e.py --model")
     by = {r["method"]: r for r in rows}
     assert by["ref-falcon-chain"]["num_drafts"] > 0 and by["ref-falcon-chain"]["tree"] == "chain-4"
     if plugin:

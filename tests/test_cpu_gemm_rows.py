@@ -38,7 +38,7 @@ def test_draft_gemm_dtypes_times_the_plugins_matmul_paths():
     import json
 
     import draft_gemm_dtypes as dg
-    from profile_step import DEFAULT_DRAFTER
+    from harness.paths import DEFAULT_DRAFTER
 
     with open(os.path.join(DEFAULT_DRAFTER, "config.json")) as f:
         cfg = json.load(f)

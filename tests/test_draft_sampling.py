@@ -1,4 +1,4 @@
-"""benchmarks/draft_sampling.py's expected acceptance is what rejection sampling does: a Monte Carlo run of the
+"""benchmarks/studies/draft_sampling.py's expected acceptance is what rejection sampling does: a Monte Carlo run of the
 rule (draw x from r, accept with probability min(1, p(x) / r(x))) agrees with sum min(p, r), and with p(argmax)
 for greedy drafts."""
 
@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-from draft_sampling import expected_acceptance  # noqa: E402
+from studies.draft_sampling import expected_acceptance  # noqa: E402
 
 
 def test_expected_acceptance_matches_rejection_sampling():

@@ -62,7 +62,7 @@ def test_missing_or_bad_map_is_refused(tmp_path, target):
 
 
 def test_training_loss_ignores_tokens_outside_the_head(target):
-    from falcon_vllm.train.trainer import losses
+    from falcon_vllm.train.losses import losses
 
     feats = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))
     batch = {"feat_lbl": feats}

@@ -80,7 +80,7 @@ def test_broken_oracle_or_plugin_fails(tmp_path, monkeypatch, piece):
     obj, attr, make = SABOTAGE[piece]
     if isinstance(obj, str):
         gpu_check.import_plugin()
-        obj = sys.modules[obj]
+        obj = sys.modules[getattr(sys.modules[obj], attr).__module__]  # where it is defined (and called from)
     monkeypatch.setattr(obj, attr, make(getattr(obj, attr)))
     assert _main(tmp_path, "--only", piece) == 1
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]

@@ -53,7 +53,7 @@ def test_a_drafter_may_name_its_own_tree(tmp_path, monkeypatch):
         return {"top1_by_block_position": [0.0] * k, "sim_tau": 1.0, "sim_tau_se": 0.0}
 
     monkeypatch.setattr(heldout_eval, "eval_set", lambda *a, **k: [])
-    import falcon_vllm.train.trainer as trainer
+    import falcon_vllm.train.evaluation as trainer
     monkeypatch.setattr(trainer, "evaluate", fake_evaluate)
     heldout_eval.main(["--model", model, "--drafter", f"a={tmp_path / 'own'}", "--drafter",
                        f"b:tree-2x1={tmp_path / 'bare'}", "--tree", "own", "--datasets", "mt-bench", "--work",

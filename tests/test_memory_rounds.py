@@ -34,8 +34,8 @@ def test_rss_is_read_for_this_process():
 
 
 def test_results_name_no_machine_paths():
-    from profile_step import DEFAULT_DRAFTER
+    from harness.paths import DEFAULT_DRAFTER
 
-    port = memory_rounds._portable  # bench_e2e's, applied to every setting written
+    port = memory_rounds.portable  # the harness's, applied to every setting written
     assert port(DEFAULT_DRAFTER) == os.path.join("falcon_vllm", "drafters", "smollm2-135m-instruct")
     assert port(None) is None and port(12) == 12 and port("/elsewhere/model") == "model"

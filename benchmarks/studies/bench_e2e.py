@@ -1,5 +1,13 @@
 #!/usr/bin/env python
-"""End-to-end benchmark: vanilla decoding vs Falcon vs its peers, same prompts, one process.
+"""Study: vanilla vs Falcon vs EAGLE, n-gram and draft-model, each engine on its own, one after another: tau and
+speedup per method?
+
+Answer: Falcon's lookup + chain 1.23x / 1.44x / 1.22x (tau 1.94 / 2.18 / 1.89, MT-Bench / HumanEval / GSM8K),
+all greedy-identical; separate engines carry the machine's drift between them, so the same-process A/B
+(ab_step.py, `falcon-vllm bench`) replaced this.
+Result: benchmarks/results/e2e_smollm2_v6_batch1.md
+
+End-to-end benchmark: vanilla decoding vs Falcon vs its peers, same prompts, one process.
 
 Methods (``--methods``, comma separated; engines run one at a time, each freed before the next):
   vanilla            vLLM, no speculation: the baseline of every vLLM row on the same target
@@ -79,8 +87,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DRAFTERS = os.path.normpath(os.path.join(HERE, "..", "falcon_vllm", "drafters"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness.machine import cpu_name  # noqa: E402
+from harness.paths import RESULTS, ROOT, portable  # noqa: E402
+
+DRAFTERS = os.path.join(ROOT, "falcon_vllm", "drafters")
 VLLM_METHODS = ("vanilla", "falcon-chain", "falcon-lookup", "falcon-tree", "eagle", "ngram", "draft-model")
 REF_METHODS = ("ref-vanilla", "ref-falcon-chain", "ref-falcon-tree")
 DRAFT_MODEL_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -205,14 +216,6 @@ def _has_config(d) -> bool:
     return bool(d) and os.path.isfile(os.path.join(d, "config.json"))
 
 
-def _portable(value):
-    """A setting as it may appear in committed results: no absolute paths of this machine."""
-    if isinstance(value, str) and os.path.isabs(value):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return os.path.relpath(value, root) if value.startswith(root + os.sep) else _short(value)
-    return value
-
-
 def _short(path) -> str | None:
     return os.path.basename(str(path).rstrip("/")) if path else None
 
@@ -252,7 +255,7 @@ class VllmRunner:
             built = build_tree(self.tree, FalconConfig.load(a.drafter).k)
             # vLLM counts acceptance per speculative-token position; for a tree, position i = depth i + 1
             self.num_spec_tokens, self.depth = built.num_nodes, built.max_depth
-            self.tree = _portable(self.tree)
+            self.tree = portable(self.tree)
         elif method == "eagle":
             if not _has_config(a.eagle_drafter):
                 raise Skip(f"no EAGLE drafter at {a.eagle_drafter!r} (config.json missing)")
@@ -401,7 +404,6 @@ def model_dir(name: str) -> str:
 def machine(args) -> str:
     import torch
 
-    from cpu_gemm_rows import cpu_name  # benchmarks/ is on sys.path when this runs as a script or is imported
     versions = [f"torch {torch.__version__}"]
     for mod in ("vllm", "transformers"):
         try:
@@ -550,7 +552,7 @@ def write_results(rows: list[dict], skipped: list[dict], args) -> list[str]:
     out_dir, name = args.out_dir, args.name
     os.makedirs(out_dir, exist_ok=True)
     # paths are shown relative to the project or by their last component: results are committed
-    settings = {k: _portable(v) for k, v in vars(args).items() if k not in ("argv", "argv0")}
+    settings = {k: portable(v) for k, v in vars(args).items() if k not in ("argv", "argv0")}
     doc = {"rows": rows, "skipped": skipped, "settings": settings,
            "command": rows[0]["command"] if rows else " ".join(args.argv0 + args.argv),
            "machine": rows[0]["machine"] if rows else None}
@@ -716,7 +718,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g("--max-model-len", type=int, default=2048)
     g("--prefix-caching", action="store_true", help="enable vLLM prefix caching (off: repeats stay comparable)")
     g("--strict", action="store_true", help="fail instead of skipping a method whose vLLM engine fails to start")
-    g("--out-dir", default=os.path.join(HERE, "results"))
+    g("--out-dir", default=RESULTS)
     g("--name", default="e2e", help="results go to <out-dir>/<name>.{json,md} and <name>_{speedup,accept}.png")
     g("--notes", default=None, help="markdown file appended to <name>.md (e.g. a comparison with published numbers)")
 
@@ -735,7 +737,7 @@ def finish_args(a, argv) -> argparse.Namespace:
     if isinstance(a.datasets, str):
         a.datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     a.argv = list(sys.argv[1:] if argv is None else argv)
-    a.argv0 = [os.path.relpath(os.path.abspath(__file__))] if argv is None else ["benchmarks/bench_e2e.py"]
+    a.argv0 = [os.path.relpath(os.path.abspath(__file__))] if argv is None else ["benchmarks/studies/bench_e2e.py"]
     return a
 
 

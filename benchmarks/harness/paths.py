@@ -1,0 +1,21 @@
+"""Where the repository, the results and the shipped drafters are; results never name this machine's paths."""
+
+from __future__ import annotations
+
+import os
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
+ROOT = os.path.dirname(BENCH)  # the repository
+RESULTS = os.path.join(BENCH, "results")
+DEFAULT_DRAFTER = os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-instruct")
+DEFAULT_EAGLE = DEFAULT_DRAFTER + "-eagle"
+
+
+def portable(value):
+    """A setting as it may appear in committed results: a path inside the repository becomes relative to it,
+    any other absolute path its last component; other values stay as they are."""
+    if isinstance(value, str) and os.path.isabs(value):
+        if value.startswith(ROOT + os.sep):
+            return os.path.relpath(value, ROOT)
+        return os.path.basename(value.rstrip("/"))
+    return value
