@@ -6,7 +6,7 @@ import pytest
 
 from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 from falcon_vllm.train import gen_prompts
-from falcon_vllm.train.gen_data import build_prompts, iter_sharegpt
+from falcon_vllm.train.sharegpt import build_prompts, iter_sharegpt
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,12 @@ import torch
 from falcon_vllm.drafter import FalconDrafter
 from falcon_vllm.reference import FalconReferenceEngine
 from falcon_vllm.testing import tiny_llama
-from falcon_vllm.train.gen_data import Sample, generate_and_featurize, iter_sharegpt, load_shards, write_shard
-from falcon_vllm.train.trainer import (TrainConfig, apply_glance, forward, glance_positions, losses, make_batch,
-                                       phase_batch, train)
+from falcon_vllm.train.config import TrainConfig
+from falcon_vllm.train.data import make_batch, phase_batch
+from falcon_vllm.train.gen_data import Sample, generate_and_featurize, load_shards, write_shard
+from falcon_vllm.train.losses import apply_glance, forward, glance_positions, losses
+from falcon_vllm.train.sharegpt import iter_sharegpt
+from falcon_vllm.train.trainer import train
 
 torch.set_num_threads(1)
 
@@ -246,7 +249,8 @@ def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
 def test_cached_teacher_matches_full_teacher(target, data):
     """With top-k = vocab the cached teacher gives exactly the losses of the full teacher."""
     from falcon_vllm.config import FalconConfig
-    from falcon_vllm.train.trainer import teacher_cache, subsample, crop_context
+    from falcon_vllm.train.data import teacher_cache, crop_context
+    from falcon_vllm.train.losses import subsample
 
     torch.manual_seed(0)
     d = FalconDrafter(FalconConfig.from_target(target.config, k=2)).attach_target(
@@ -278,7 +282,7 @@ def test_teacher_cache_is_built_once_by_runs_side_by_side(tmp_path, target, data
     its lock and loads what it wrote (both get the same cache); a later run only loads it."""
     import threading
 
-    import falcon_vllm.train.trainer as trainer
+    import falcon_vllm.train.data as trainer
 
     built, started = [], threading.Event()
     real = trainer.teacher_cache
@@ -500,7 +504,7 @@ def test_gen_data_continues_stored_first_turns(tmp_path, target, monkeypatch):
 def test_held_out_split_leaves_out_prompts_trained_on(data):
     """A held-out conversation whose prompt a training conversation repeats is not held out (its greedy answer
     was trained on); the training conversations stay as they are."""
-    from falcon_vllm.train.trainer import split_held_out
+    from falcon_vllm.train.data import split_held_out
 
     repeated = [data[-1]] + data[1:]  # 40 conversations, the last 2 held out; the last one's prompt also first
     train_set, val_set, left_out = split_held_out(repeated)
@@ -513,7 +517,7 @@ def test_held_out_split_leaves_out_prompts_trained_on(data):
 def test_extra_data_trains_only_outside_the_held_out_set(tmp_path, target, data):
     """--extra-data conversations join the training set, never the held-out one; one that begins like a
     held-out conversation, and one without an answer token, are left out."""
-    from falcon_vllm.train.trainer import outside_of
+    from falcon_vllm.train.data import outside_of
 
     held = data[-2:]  # 40 conversations: the last 2 are held out
     no_answer = data[3]._replace(loss_mask=torch.zeros_like(data[3].loss_mask))
@@ -587,7 +591,7 @@ def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):
     before (init_from, their own epochs, lr and training conversations), and what is installed is the last
     stage, with a datastore of the answers it trained on (stubs: no real training)."""
     from falcon_vllm import models
-    from falcon_vllm.train import gen_data, trainer
+    from falcon_vllm.train import gen_data, recipes as trainer
 
     seen, calls = [], {}
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")
@@ -628,7 +632,7 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
     import argparse
 
     from falcon_vllm import models
-    from falcon_vllm.train import gen_data, trainer
+    from falcon_vllm.train import gen_data, recipes as trainer
 
     p = argparse.ArgumentParser()
     trainer.add_arguments(p)
@@ -659,6 +663,60 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
     assert [(c.mode, c.glance, c.block_phase) for c in seen] == [("falcon", "none", "random")] * 5 + [
         ("eagle", "uniform", "fixed")] * 5
     assert installed == [] and "installed" not in out and out["falcon_overrides"] == over
+
+
+# the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own
+COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--threads"}
+
+
+def _other_value(action) -> list[str]:
+    """Command-line words giving ``action``'s flag a value that is not its default (a switch: the flag alone)."""
+    if action.nargs == 0:
+        return [action.option_strings[0]]
+    if action.choices:
+        return [action.option_strings[0], next(c for c in action.choices if c != action.default)]
+    if action.type in (int, float):
+        return [action.option_strings[0], str((action.default or 2) + 1)]
+    return [action.option_strings[0], "1,2"]  # text: a path, a name, or a comma-separated list
+
+
+def test_train_flags_are_the_train_config_fields(monkeypatch, capsys):
+    """`falcon-vllm train` has a flag per TrainConfig field and no other (but its own four), each setting exactly
+    its field; with no flag given it trains with the fields' defaults (save_dtype: the command stores bf16)."""
+    import argparse
+    import importlib
+    from dataclasses import fields
+
+    from falcon_vllm import models
+    from falcon_vllm.cli import COMMANDS
+    from falcon_vllm.train.config import config_from_args
+
+    command = importlib.import_module(COMMANDS["train"][0])
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    flags = {a.option_strings[0]: a for a in p._actions if a.option_strings and a.dest != "help"}
+    base = asdict(config_from_args(p.parse_args([])))
+    per_field = {f.name: set() for f in fields(TrainConfig)}
+    for flag, action in flags.items():
+        if flag not in COMMAND_FLAGS:
+            cfg = asdict(config_from_args(p.parse_args(_other_value(action))))
+            for name in [n for n in cfg if cfg[n] != base[n]]:
+                per_field[name].add(flag)
+    assert all(len(c) == 1 for c in per_field.values()), {n: c for n, c in per_field.items() if len(c) != 1}
+    assert set().union(*per_field.values()) == set(flags) - COMMAND_FLAGS  # every other flag sets a field
+    assert per_field["w_dist"] == {"--token-weight"} and per_field["train_draft_head"] == {"--freeze-draft-head"}
+    assert per_field["out_dir"] == {"--out"} and per_field["data_dir"] == {"--data"}
+    # defaults: no flag given is the dataclass's defaults (the command stores bf16 weights; the API as trained)
+    default = config_from_args(p.parse_args(["--out", "o"]))
+    assert default == replace(TrainConfig("o"), save_dtype="bfloat16")
+    # the command builds the same config (the target filled in) and reports a run stopped to resume later
+    seen = []
+    monkeypatch.setattr(models, "model_path", lambda *a: "target-dir")
+    monkeypatch.setattr(command, "train", lambda cfg: seen.append(cfg) or {"stopped": True, "out": cfg.out_dir,
+                                                                          "state": {"epoch": 1, "step": 3}})
+    assert command.main(p.parse_args(["--data", "d", "--out", "o", "--stop-after-epochs", "1", "--no-resume"])) == 0
+    assert seen == [replace(default, data_dir="d", target_dir="target-dir", stop_after_epochs=1, resume=False)]
+    assert "stopped after epoch 1 (step 3)" in capsys.readouterr().out
 
 
 def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
@@ -706,7 +764,7 @@ def test_aux_layers_data_drafter_and_training(tmp_path, target, data):
         train(TrainConfig(str(tmp_path / "bad"), k=2, fusion="fc", epochs=1, aux_layers=(1,)),
               samples=data, target=target, log=lambda *a: None)
     from falcon_vllm.train.gen_data import with_aux_states
-    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.train.evaluation import evaluate
     from falcon_vllm.tree import build_tree
 
     again = with_aux_states(target, data[:3], (1,))  # data made without them, featurized again
@@ -727,7 +785,7 @@ def test_second_pass_is_the_serving_pass_two(target, data, length):
     of the earlier blocks), for a 2-layer reversed-order drafter, blocks aligned to each row's end."""
     from falcon_vllm.config import FalconConfig
     from falcon_vllm.drafter import chunk_mask
-    from falcon_vllm.train.trainer import second_pass
+    from falcon_vllm.train.losses import second_pass
 
     torch.manual_seed(1)
     k = 2
@@ -766,7 +824,7 @@ def test_evaluate_causal_context(tmp_path, target, data):
     """evaluate(context="causal") scores each block as vLLM's proposer computes it: the same top-1 as training's
     relaxed mask for a 1-layer drafter (its K/V does not depend on the mask), its own for 2 layers; sim tau is
     the reference engine's either way.  An unknown context is refused."""
-    from falcon_vllm.train.trainer import evaluate
+    from falcon_vllm.train.evaluation import evaluate
     from falcon_vllm.tree import build_tree
 
     tree = build_tree("chain-2", 2)
@@ -793,7 +851,7 @@ def test_level_weights(tmp_path, target, data):
     unweighted loss, (1, 0) the loss of the level-1 positions alone; training records them; bad weights are
     refused."""
     from falcon_vllm.config import FalconConfig
-    from falcon_vllm.train.trainer import level_weights
+    from falcon_vllm.train.losses import level_weights
 
     b = make_batch(data[:3], 2, 9, trim=[0, 1, 2])                     # rows of 9, 8 and 7 positions
     w = level_weights(b, 2, (1.0, 0.25))

@@ -4,8 +4,9 @@ import torch
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.tune_tree import (accepted_length, best_tree, choose_trees, cross_fit_accepted, cross_fit_tau,
-                                   rank_profile, standard_error)
+from falcon_vllm.acceptance import (accepted_length, best_tree, cross_fit_accepted, cross_fit_tau, rank_profile,
+                                    standard_error)
+from falcon_vllm.tune_tree import choose_trees
 
 torch.set_num_threads(1)
 
@@ -67,9 +68,9 @@ def test_rank_profile_random_drafter_runs():
 
 
 def test_held_out_roots_are_spread_over_the_conversations(monkeypatch):
-    import falcon_vllm.tune_tree as tt
+    import falcon_vllm.train.evaluation as tt
     from falcon_vllm.train.gen_data import Sample
-    from falcon_vllm.train.trainer import root_profiles
+    from falcon_vllm.train.evaluation import root_profiles
 
     seen = []
 

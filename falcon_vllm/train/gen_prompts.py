@@ -104,23 +104,11 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
     if leads:
         meta["leads"] = leads
     if rows:  # resume: the same settings, after the last attempt the file holds
-        old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        diff = [f"{k} {old.get(k)!r} (this run: {meta.get(k)!r})" for k in {**old, **meta}
-                if old.get(k) != meta.get(k)]  # both ways: a file written with leads, resumed without, too
-        if diff:
-            raise ValueError(f"falcon-vllm: gen-prompts: {out_path} was written with other settings: "
-                             + ", ".join(diff) + "; use the same ones or a new output file")
+        check_settings(out_path, meta_path, meta)
     meta_path.write_text(json.dumps(meta, indent=1))
     attempt = max((int(r["id"].rsplit("-", 1)[1]) + 1 for r in rows), default=0)
     seen = {normalize(r["conversations"][0]["value"]) for r in rows}
-    if backend == "vllm":
-        from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
-
-        generate = VLLMGenerator(target_dir, len(prefix) + max(map(len, lead_ids)) + max_tokens)
-    elif backend == "hf":
-        generate = hf_sampler(target_dir, model, tok)
-    else:
-        raise ValueError(f"falcon-vllm: gen-prompts: backend must be 'vllm' or 'hf', got {backend!r}")
+    generate = sampler(backend, target_dir, model, tok, len(prefix) + max(map(len, lead_ids)) + max_tokens)
     bar = tqdm(total=num, initial=min(len(rows), num), desc=f"gen-prompts ({backend})", unit="question")
     dropped = {"cut short or special": 0, "repeat": 0, "benchmark": 0}
     t0 = time.time()
@@ -145,9 +133,7 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
                                                                         {"from": "gpt", "value": ""}]})
                 bar.update(1)
             attempt += n
-            tmp = out.with_suffix(out.suffix + ".tmp")
-            tmp.write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
-            os.replace(tmp, out)
+            write_rows(out, rows)
             bar.set_postfix(attempts=attempt, q_per_s=f"{bar.n / max(time.time() - t0, 1e-9):.1f}")
     finally:
         bar.close()
@@ -156,6 +142,35 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
     print(f"falcon-vllm: gen-prompts: {len(rows)} questions after {attempt} attempts (dropped this run: "
           + ", ".join(f"{v} {k}" for k, v in dropped.items()) + ")")
     return out
+
+
+def check_settings(out_path: str, meta_path: Path, meta: dict) -> None:
+    """A questions file is resumed with the settings it was written with (``meta``, kept in ``meta_path``)."""
+    old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    diff = [f"{k} {old.get(k)!r} (this run: {meta.get(k)!r})" for k in {**old, **meta}
+            if old.get(k) != meta.get(k)]  # both ways: a file written with leads, resumed without, too
+    if diff:
+        raise ValueError(f"falcon-vllm: gen-prompts: {out_path} was written with other settings: "
+                         + ", ".join(diff) + "; use the same ones or a new output file")
+
+
+def write_rows(out: Path, rows: list[dict]) -> None:
+    """Write the questions file whole (one row a line), replacing the one before only once it is written."""
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
+    os.replace(tmp, out)
+
+
+def sampler(backend: str, target_dir: str, model, tok, max_model_len: int):
+    """The sampling function of ``backend``: ``(prompts, max_new_tokens, temperature=, seeds=) -> token lists``
+    (vLLM's in-process engine for sequences of up to ``max_model_len`` tokens, or HF ``generate``)."""
+    if backend == "vllm":
+        from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
+
+        return VLLMGenerator(target_dir, max_model_len)
+    if backend == "hf":
+        return hf_sampler(target_dir, model, tok)
+    raise ValueError(f"falcon-vllm: gen-prompts: backend must be 'vllm' or 'hf', got {backend!r}")
 
 
 def hf_sampler(target_dir, model, tok):
