@@ -329,6 +329,62 @@ def greedy_verify_argmax(tree: DecodingTree, node_tokens: torch.Tensor, target_a
 
 
 # ---------------------------------------------------------------------- sampling
+def _walk_shape(tree: DecodingTree, node_tokens, target_logits, slot_rows) -> tuple[int, int, int]:
+    """(B, S = 1 + N, V) of a verification walk over [B, 1 + N, V] logits or flat ones read at ``slot_rows``."""
+    if slot_rows is None:
+        _check_shapes(tree, node_tokens, target_logits)
+        return tuple(target_logits.shape)
+    B, S, V = slot_rows.shape[0], tree.num_slots, target_logits.shape[-1]
+    if target_logits.dim() != 2 or tuple(slot_rows.shape) != (B, S) or tuple(node_tokens.shape) != (B, S - 1):
+        raise ValueError(f"falcon-vllm: sample_verify: flat logits [T, V], slot_rows [B, 1+N={S}] and node_tokens "
+                         f"[B, N] expected, got {list(target_logits.shape)}, {list(slot_rows.shape)}, "
+                         f"{list(node_tokens.shape)}")
+    return B, S, V
+
+
+def _point_mass_children(p, ch, ch_tok, generator):
+    """One depth with point-mass proposals: sequential acceptance == draw x ~ p, take the first child equal to x.
+
+    p [B, V] target probabilities at the current slot; ch [B, Cmax] its children's slots (-1: none), ch_tok
+    their tokens.  Returns (found [B] bool, next slot [B], the drawn token x [B])."""
+    x = sample_tokens(p, generator)
+    match = (ch >= 0) & (ch_tok == x[:, None])
+    found = match.any(1)
+    nxt = ch.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1)
+    return found, nxt, x
+
+
+def _sampled_children(p, q, ch, ch_tok, width: int, active, u, generator):
+    """One depth of recursive rejection over the ``width`` siblings drawn without replacement from ``q``.
+
+    p [B, V] target probabilities; q [B, V] the drafter distribution the children were drawn from; ch, ch_tok
+    [B, Cmax] as in :func:`_point_mass_children`; active [B] rows still walking; u [B] current slots.  Each
+    rejected sibling leaves the residual ``norm(max(0, p - q))`` and removes its token from q.  Returns
+    (found, next slot, x: a draw from the final residual, the bonus where nothing was accepted)."""
+    B, dev = p.shape[0], p.device
+    q = q.float()
+    q = q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+    found = torch.zeros(B, dtype=torch.bool, device=dev)
+    nxt = u.clone()
+    for i in range(width):
+        c, t = ch[:, i], ch_tok[:, i]
+        live = active & ~found & (c >= 0)
+        pt = p.gather(1, t[:, None]).squeeze(1)
+        qt = q.gather(1, t[:, None]).squeeze(1)
+        r = torch.rand(B, generator=generator, device=dev)
+        drawn = qt > 0                     # else t cannot come from q: skip the child
+        acc = live & drawn & (r * qt < pt)  # r < min(1, p/q) without dividing
+        found |= acc
+        nxt = torch.where(acc, c, nxt)
+        rej = (live & drawn & ~acc)[:, None]
+        resid = (p - q).clamp_min(0.0)
+        rmass = resid.sum(-1, keepdim=True)
+        p = torch.where(rej & (rmass > 0), resid / rmass.clamp_min(torch.finfo(p.dtype).tiny), p)
+        q_next = q.scatter(1, t[:, None], 0.0)
+        q = torch.where(rej, q_next / q_next.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q)
+    return found, nxt, sample_tokens(p, generator)
+
+
 def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: torch.Tensor, temperature,
                   top_k=None, top_p=None, draft_probs: torch.Tensor | None = None,
                   generator: torch.Generator | None = None, slot_rows: torch.Tensor | None = None) -> VerifyResult:
@@ -361,15 +417,7 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
         read nothing.
     """
     dev = target_logits.device
-    if slot_rows is None:
-        _check_shapes(tree, node_tokens, target_logits)
-        B, S, V = target_logits.shape
-    else:
-        B, S, V = slot_rows.shape[0], tree.num_slots, target_logits.shape[-1]
-        if target_logits.dim() != 2 or tuple(slot_rows.shape) != (B, S) or tuple(node_tokens.shape) != (B, S - 1):
-            raise ValueError(f"falcon-vllm: sample_verify: flat logits [T, V], slot_rows [B, 1+N={S}] and node_tokens "
-                             f"[B, N] expected, got {list(target_logits.shape)}, {list(slot_rows.shape)}, "
-                             f"{list(node_tokens.shape)}")
+    B, S, V = _walk_shape(tree, node_tokens, target_logits, slot_rows)
     tab = _tables(tree, dev)
     node_tokens = node_tokens.to(dev)
     sp = prepare_sampling(temperature, top_k, top_p, B, V, dev)   # the walk's one host read before the loop
@@ -397,33 +445,10 @@ def sample_verify(tree: DecodingTree, node_tokens: torch.Tensor, target_logits: 
         ch = tab.children[u]                                                  # [B, Cmax]
         ch_tok = node_tokens.gather(1, (ch - 1).clamp_min(0))                 # [B, Cmax]
         if draft_probs is None:
-            # point-mass proposals: sequential acceptance == draw x ~ p, take the first child equal to x
-            x = sample_tokens(p, generator)
-            match = (ch >= 0) & (ch_tok == x[:, None])
-            found = match.any(1)
-            nxt = ch.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1)
+            found, nxt, x = _point_mass_children(p, ch, ch_tok, generator)
         else:
-            q = draft_probs[rows, u].float()
-            q = q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
-            found = torch.zeros(B, dtype=torch.bool, device=dev)
-            nxt = u.clone()
-            for i in range(tab.width_at[d]):
-                c, t = ch[:, i], ch_tok[:, i]
-                live = active & ~found & (c >= 0)
-                pt = p.gather(1, t[:, None]).squeeze(1)
-                qt = q.gather(1, t[:, None]).squeeze(1)
-                r = torch.rand(B, generator=generator, device=dev)
-                drawn = qt > 0                     # else t cannot come from q: skip the child
-                acc = live & drawn & (r * qt < pt)  # r < min(1, p/q) without dividing
-                found |= acc
-                nxt = torch.where(acc, c, nxt)
-                rej = (live & drawn & ~acc)[:, None]
-                resid = (p - q).clamp_min(0.0)
-                rmass = resid.sum(-1, keepdim=True)
-                p = torch.where(rej & (rmass > 0), resid / rmass.clamp_min(torch.finfo(p.dtype).tiny), p)
-                q_next = q.scatter(1, t[:, None], 0.0)
-                q = torch.where(rej, q_next / q_next.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q)
-            x = sample_tokens(p, generator)
+            found, nxt, x = _sampled_children(p, draft_probs[rows, u], ch, ch_tok, tab.width_at[d], active, u,
+                                              generator)
         stop = active & ~found
         bonus = torch.where(stop, x, bonus)
         u = torch.where(active & found, nxt, u)

@@ -17,7 +17,7 @@ from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, dra
 
 from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
 from falcon_vllm.tree import build_tree
-from falcon_vllm.tune_tree import best_tree
+from falcon_vllm.acceptance import best_tree
 
 V = 49152
 SHARP = 1000.0

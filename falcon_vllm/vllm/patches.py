@@ -12,9 +12,10 @@ A vLLM upgrade breaks a plugin where it touches internals.  This module is the o
 
 :func:`check_classes` runs when the plugin is registered, :func:`check_instances` at engine
 start-up (the proposer's ``initialize_attn_backend``: the KV cache and the attention backends exist,
-no request has arrived): it also writes a probe through each attention backend's own KV-cache
-writer and reads it back with tree mode's layout reader, so a changed byte layout fails there,
-before serving, instead of returning wrong tokens.  Either raises :class:`VllmVersionError` naming
+no request has arrived): in tree mode it also runs :func:`falcon_vllm.vllm.paged_kv.probe_layout`,
+which writes a probe through each attention backend's own KV-cache writer and reads it back with
+tree mode's layout reader, so a changed byte layout fails there, before serving, instead of
+returning wrong tokens.  Either raises :class:`VllmVersionError` naming
 the supported range.
 """
 
@@ -234,9 +235,12 @@ def check_classes() -> None:
         fail(f"EagleProposer.propose has a new signature {have}")
 
 
-def check_instances(runner, vllm_config, tree: bool) -> None:
-    """At engine start-up: the runner's attributes, every attention impl's attributes and (tree mode)
-    each attention backend's KV-cache byte layout as tree mode reads it."""
+def check_instances(runner, vllm_config, probe=None) -> None:
+    """At engine start-up: the runner's attributes and every attention impl's attributes.
+
+    ``probe(name, layer, impl) -> bool`` (tree mode: :func:`falcon_vllm.vllm.paged_kv.probe_layout`) checks
+    each attention backend's KV-cache byte layout as tree mode reads it, once per kind of impl: it returns
+    whether it probed (False: the layer holds no KV cache, so the next layer of that kind is tried)."""
     missing = [] if runner is None else [a for a in RUNNER_ATTRS if not hasattr(runner, a)]
     if runner is not None:
         missing += [f"input_batch.{a}" for a in INPUT_BATCH_ATTRS if not hasattr(runner.input_batch, a)]
@@ -250,44 +254,5 @@ def check_instances(runner, vllm_config, tree: bool) -> None:
         if missing := [a for a in IMPL_ATTRS if not hasattr(impl, a)]:
             fail(f"{type(impl).__name__} (layer {name}) lacks {missing}")
         key = (type(impl), getattr(layer, "isa", None), impl.head_size)
-        if tree and key not in seen and _kv_tensor(layer) is not None:
+        if probe is not None and key not in seen and probe(name, layer, impl):
             seen.add(key)
-            _probe_layout(name, layer, impl)
-
-
-def _kv_tensor(layer):
-    import torch
-
-    kv = layer.kv_cache
-    if isinstance(kv, (list, tuple)):
-        kv = kv[0] if kv else None
-    return kv if isinstance(kv, torch.Tensor) and kv.numel() else None
-
-
-def _probe_layout(name, layer, impl) -> None:
-    """Write known K/V through the backend's own ``do_kv_cache_update`` into a 2-block scratch cache
-    with the layer's shape and strides, read them back with :func:`paged_kv.paged_kv`."""
-    import torch
-
-    from falcon_vllm.vllm.paged_kv import kv_layout, paged_kv
-
-    kv = _kv_tensor(layer)
-    _, hkv, bs, d2 = kv.shape
-    order = sorted(range(4), key=lambda i: -kv.stride(i))          # the layer's stride order, outermost first
-    shape = (2, hkv, bs, d2)
-    scratch = torch.zeros([shape[i] for i in order], dtype=kv.dtype, device=kv.device)
-    scratch = scratch.permute([order.index(i) for i in range(4)])  # logical [2, Hkv, bs, 2D], same strides
-    n = 2 * bs
-    g = torch.Generator(device="cpu").manual_seed(0)
-    key, value = (torch.randn(n, hkv, d2 // 2, generator=g).to(kv.device, kv.dtype) for _ in range(2))
-    slots = torch.arange(n, device=kv.device).flip(0)               # token t -> slot n-1-t
-    if not callable(getattr(impl, "do_kv_cache_update", None)):
-        fail(f"{type(impl).__name__} has no do_kv_cache_update (the KV-cache writer tree mode checks its layout with)")
-    impl.do_kv_cache_update(layer, key, value, scratch, slots)
-    try:
-        kc, vc = paged_kv(scratch, kv_layout(impl, layer))
-    except NotImplementedError:
-        return  # a backend tree mode does not serve: refused by tree mode's own start-up check
-    s = slots.long()
-    if not (torch.equal(kc[s // bs, s % bs], key) and torch.equal(vc[s // bs, s % bs], value)):
-        fail(f"{type(impl).__name__} (layer {name}) stores its KV cache in a byte layout tree mode does not read")

@@ -24,8 +24,9 @@ A step of tree mode (the drafter's side is in :mod:`falcon_vllm.vllm.tree_draft`
    tokens: vLLM's rollback (``num_computed -= N - a``), prefix caching, metrics and the drafter's
    next chunk pass (which rewrites the drafter's K/V for the accepted positions) all stay correct.
    On CUDA the compaction is one launch of ``kernels/kv_compaction.py`` for all layers; the tree
-   sampler copies logits in bounded chunks.
+   sampler copies logits in bounded chunks (:mod:`falcon_vllm.vllm.tree_compaction`).
 
+Models and settings tree mode cannot serve exactly are refused at start-up (:mod:`falcon_vllm.vllm.tree_startup`).
 All hooks check for the proposer's tree state; runners without a Falcon tree are untouched.
 """
 
@@ -41,63 +42,13 @@ from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_b
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_tokens, sample_verify
 from falcon_vllm.vllm import patches
-from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv, to_device, tree_attention_scope
+from falcon_vllm.vllm.live import falcon_proposer
+from falcon_vllm.vllm.paged_kv import kv_layout, paged_kv, to_device, tree_attention_scope
+from falcon_vllm.vllm.tree_compaction import _use_compaction_kernel, compact, compact_kv  # noqa: F401 (tests')
 from falcon_vllm.vllm.tree_draft import TreeState, cuda_tree_kernel
+from falcon_vllm.vllm.tree_startup import _unsupported, check_startup  # noqa: F401 (tests' and the proposer's)
 
 _SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
-
-
-# ---------------------------------------------------------------------------- start-up
-def _unsupported(name: str, layer) -> str | None:
-    """What tree attention cannot compute exactly for this attention layer (None: supported)."""
-    impl = layer.impl
-    sw, cap = getattr(impl, "sliding_window", None), getattr(impl, "logits_soft_cap", None)
-    checks = (
-        (sw not in (None, -1, (-1, -1)), f"sliding-window attention (window {sw})"),
-        (cap not in (None, 0), f"attention logit soft-capping ({cap})"),
-        (getattr(impl, "alibi_slopes", None) is not None, "ALiBi position biases"),
-        (getattr(impl, "sinks", None) is not None, "attention sinks"),
-        (getattr(impl, "kv_cache_dtype", "auto") != "auto", f"a {getattr(impl, 'kv_cache_dtype', '')} KV cache "
-         "(kv_cache_dtype; tree mode reads unscaled K/V)"),
-        (getattr(impl, "kv_sharing_target_layer_name", None) is not None, "cross-layer KV-cache sharing"),
-        (str(getattr(getattr(impl, "attn_type", "decoder"), "value", getattr(impl, "attn_type", "decoder")))
-         != "decoder", f"{getattr(impl, 'attn_type', '')} attention"),
-    )
-    for bad, what in checks:
-        if bad:
-            return what
-    try:
-        kv_layout(impl, layer)
-    except NotImplementedError as e:
-        return str(e).removeprefix("falcon-vllm: tree mode: ")
-    d = getattr(impl, "head_size", None)
-    if type(impl).__name__.startswith("FlashAttention") and d is not None and (d & (d - 1) or not 16 <= d <= 256):
-        return f"head size {d} (the Triton tree-attention kernel takes powers of two in [16, 256])"
-    return None
-
-
-def check_startup(vllm_config, kv_cache_config, draft_layer_names) -> None:
-    """Refuse, before serving, any model or setting tree mode cannot serve exactly (one error naming it).
-
-    Called once the KV cache and the attention backends exist (the proposer's
-    ``initialize_attn_backend``).  Chain mode (vLLM's own EAGLE path) has none of these limits.
-    """
-    draft = set(draft_layer_names or ())
-    ctx = vllm_config.compilation_config.static_forward_context
-    hint = ("; tree mode refuses it at start-up rather than return something other than vanilla vLLM would. "
-            "Serve this model in chain mode (a chain tree such as \"chain-4\", or no \"tree\" key)")
-    for name, layer in ctx.items():
-        if getattr(layer, "impl", None) is None or not hasattr(layer, "kv_cache"):
-            continue
-        what = _unsupported(name, layer)
-        if what is not None:
-            raise ValueError(f"falcon-vllm: tree mode does not support {what} (layer {name}){hint}")
-    gid = {n: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for n in group.layer_names}
-    target = {gid[n] for n in gid if n not in draft}
-    if target != {0}:
-        raise ValueError(f"falcon-vllm: tree mode does not support a target whose KV cache spans several KV-cache "
-                         f"groups ({len(kv_cache_config.kv_cache_groups)} groups: hybrid or multi-spec models; "
-                         f"target layers in groups {sorted(target)}){hint}")
 
 
 # ---------------------------------------------------------------------------- target attention
@@ -291,21 +242,6 @@ def _begin_tree_step(runner, state: TreeState, md, num_scheduled_tokens) -> Tree
     return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping)
 
 
-def _target_kv_caches(runner) -> list[tuple[torch.Tensor, str]]:
-    ctx = runner.vllm_config.compilation_config.static_forward_context
-    draft = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-    out = []
-    for name, layer in ctx.items():
-        if name in draft or not hasattr(layer, "kv_cache") or not hasattr(layer, "impl"):
-            continue
-        kv = layer.kv_cache
-        if isinstance(kv, (list, tuple)):
-            kv = kv[0]
-        if isinstance(kv, torch.Tensor) and kv.numel():
-            out.append((kv, kv_layout(layer.impl, layer)))
-    return out
-
-
 # vLLM's built-in logits processors; each one is tied to a request field checked in tree_drafts_for
 _BUILTIN_PROCS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 
@@ -436,7 +372,7 @@ def tree_sample(runner, state: TreeState, step: TreeStep, logits: torch.Tensor, 
     if sm.max_num_logprobs is not None:
         logprobs = _logprobs(runner, sm, logits, out, cu_s - widths - 1, paths, plain, plain_lp)
     if paths:
-        _compact(runner, state, step, paths)
+        compact(runner, state, step, paths)
     state.record(widths, paths)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
@@ -470,65 +406,6 @@ def _logprobs(runner, sm, logits, out, starts, paths, plain, plain_lp):
         lp[torch.tensor(plain, device=lp.device), 0] = plain_lp.to(lp.dtype)
         lp = lp.view(B * width, -1)
     return runner.sampler.gather_logprobs(lp, sm.max_num_logprobs, out.reshape(-1).clamp(min=0).long())
-
-
-def _compact(runner, state: TreeState, step: TreeStep, paths: dict[int, list[int]]) -> None:
-    """Move the accepted nodes' K/V and per-token buffers next to the root (path order)."""
-    src, dst = [], []
-    for r, path in paths.items():
-        root = int(step.root_rows[r])
-        for i, s in enumerate(path):
-            if s != i + 1:  # already in place otherwise (decided on the host: no device sync)
-                src.append(root + s)
-                dst.append(root + 1 + i)
-    if not src:
-        return
-    dev = runner.positions.device
-    src_t = torch.tensor(src, dtype=torch.long, device=dev)
-    dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
-    slots_src = step.slot_mapping[src_t].long()
-    slots_dst = step.slot_mapping[dst_t].long()
-    compact_kv(_target_kv_caches(runner), slots_src, slots_dst, state=state)
-    ids = runner.input_ids.gpu
-    ids[dst_t] = ids[src_t]
-    runner.positions[dst_t] = runner.positions[src_t]
-    hidden = state.hidden_states
-    if hidden is not None:
-        hidden[dst_t] = hidden[src_t]
-
-
-def _use_compaction_kernel(kvs) -> bool:
-    """The one-launch Triton compaction serves CUDA caches in the FLASH_ATTN layout."""
-    if not kvs or not all(kv.is_cuda and layout == "flash" for kv, layout in kvs):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def compact_kv(kvs: list[tuple[torch.Tensor, str]], src: torch.Tensor, dst: torch.Tensor,
-               state: TreeState | None = None, kernel: bool | None = None) -> None:
-    """Copy flat slots ``src`` -> ``dst`` in every layer's K and V (dst <= src, dst increasing per request).
-
-    On CUDA (FLASH_ATTN layout) one launch of ``kernels/kv_compaction.py`` moves all layers; elsewhere
-    two index copies per layer.  ``kernel`` overrides the choice (tests run the Triton kernel under
-    ``TRITON_INTERPRET=1`` on CPU tensors); ``state`` keeps the kernel's plane pointer table.
-    """
-    if not (_use_compaction_kernel(kvs) if kernel is None else kernel):
-        for kv, layout in kvs:
-            copy_kv_slots(kv, layout, src, dst)
-        return
-    from falcon_vllm.kernels.kv_compaction import kv_compaction, plane_table
-
-    key = tuple(kv.data_ptr() for kv, _ in kvs)
-    table = None if state is None else state.plane_table
-    if table is None or table[0] != key:  # cache tensors do not move: built once
-        table = (key, plane_table([p for kv, layout in kvs for p in paged_kv(kv, layout)]))
-        if state is not None:
-            state.plane_table = table
-    kv_compaction(table[1], src.contiguous(), dst.contiguous())
 
 
 # ---------------------------------------------------------------------------- runner hooks
@@ -574,8 +451,6 @@ def _sample_tokens(orig):
 
 
 def _sample(orig):
-    from falcon_vllm.vllm.proposer import falcon_proposer  # (proposer imports this module)
-
     def _sample(self, logits, spec_decode_metadata):
         state = tree_state(self)
         step = None if state is None else state.step
@@ -596,8 +471,6 @@ def _sample(orig):
 
 
 def _take_draft_token_ids(orig):
-    from falcon_vllm.vllm.proposer import falcon_proposer  # (proposer imports this module)
-
     def take_draft_token_ids(self):
         out = orig(self)
         drafter = falcon_proposer(self)

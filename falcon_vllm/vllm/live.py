@@ -1,0 +1,24 @@
+"""Which object is a runner's live Falcon proposer, for modules the proposer itself imports.
+
+The runner hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.vllm.hooks`) ask whether a
+runner's ``drafter`` is a Falcon proposer running a Falcon drafter.  Proposer classes register here
+(:func:`proposer_class`), so that those modules need not import the proposer's module, which imports
+them.
+"""
+
+from __future__ import annotations
+
+_CLASSES: list[type] = []
+
+
+def proposer_class(cls: type) -> type:
+    """Class decorator: instances of ``cls`` with a ``falcon`` section are live Falcon proposers."""
+    if cls not in _CLASSES:
+        _CLASSES.append(cls)
+    return cls
+
+
+def falcon_proposer(runner):
+    """The runner's drafter when it is a Falcon proposer running a Falcon drafter (else None: vLLM's own)."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, tuple(_CLASSES)) and drafter.falcon else None

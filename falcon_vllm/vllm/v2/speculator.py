@@ -1,0 +1,218 @@
+"""``FalconSpeculator``: Falcon's semi-autoregressive chain drafting as a vLLM 0.34 Model Runner V2 speculator.
+
+0.34's speculator classes and what each leaves abstract:
+
+* ``BaseSpeculator``: ``init_cudagraph_manager``, ``capture``, ``propose`` (hooks with no-op defaults:
+  ``add_request``, ``on_requests_finished``, ``reset_state``, ``update_max_model_len``, ``prepare_watermarking``);
+* ``DraftModelSpeculator``: adds ``load_draft_model`` (it loads the drafter, its KV cache and attention groups);
+* ``AutoRegressiveSpeculator``: adds ``_prefill``, ``_decode``, ``_prepare_decode_inputs``;
+* ``TargetDependentARSpeculator`` (EAGLE-style, drafts from the target's hidden states) implements all but
+  ``load_draft_model``, which this class implements.  It overrides ``propose`` (Falcon's passes),
+  ``init_cudagraph_manager`` / ``capture`` (no CUDA graphs, as on V1) and ``set_attn`` (it checks that the
+  block passes' layout applies: one KV-cache group, no context parallelism).
+
+One step, for block size k and K draft tokens (p: a request's last committed position)::
+
+    chunk pass     the verified tokens, causal (TargetDependentARSpeculator's draft prefill, no sampling):
+                   writes the drafter's K/V; row j reads (x_{j+1}, f_j)
+    relaxed block  positions p-k+1 .. p again, one non-causal block  -> drafts 1 .. k
+    block q        positions p+1+k(q-1) .. p+kq, inputs: block q-1's drafts and outputs  -> drafts kq+1 .. kq+k
+
+so ``ceil(K / k)`` drafter passes give K drafts.  The algorithm is the drafting core's
+(:class:`falcon_vllm.vllm.drafting.FalconDrafting`: the relaxed block's inputs and the stash, the block
+layouts, the chain loop); this adapter runs the passes it lays out on V2's buffers, block tables and attention
+metadata.  Draws go through ``DraftModelSpeculator.sample_draft``: the argmax, or with ``draft_sample_method``
+"probabilistic" a Gumbel draw keyed by the request's seed and position whose logits land in ``draft_logits``
+for V2's rejection sampler.  Not run on vLLM 0.34 yet (``tests/test_vllm034.py`` imports and builds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
+from vllm.v1.worker.gpu.block_table import BlockTables
+from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+from vllm.v1.worker.gpu.dp_utils import DPSyncState
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.model_states.interface import ModelState
+from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import TargetDependentARSpeculator
+from vllm.v1.worker.utils import AttentionGroup
+
+from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
+from falcon_vllm.vllm.model import wrap_gemms
+
+
+@dataclasses.dataclass
+class _Draws:
+    """One step's draft columns: ``K`` of them, the next block's from ``column`` on."""
+
+    K: int
+    column: int = 0
+
+
+@dataclasses.dataclass
+class _Step:
+    """The drafting core's per-step object (``ctx``): the step's batch and what a dummy run leaves out."""
+
+    input_batch: InputBatch
+    dummy_run: bool  # its requests are not real: no stash, no K/V writes (their block tables are stale)
+    skip_attn: bool  # a dummy run without attention metadata
+
+
+class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
+    """Falcon chain drafting on Model Runner V2 (built by vLLM's ``init_speculator``)."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        super().__init__(vllm_config, device)
+        falcon = getattr(self.draft_model_config.hf_config, "falcon", None)
+        if not isinstance(falcon, dict) or "k" not in falcon:
+            raise ValueError("falcon-vllm: the draft model has no Falcon section (hf_config.falcon): method "
+                             "'falcon' needs a Falcon drafter, set up by FalconSpeculatorConfig")
+        self.init_drafting(falcon)
+        self.num_query_per_req = self.k  # the runner's dummy run sizes a block pass by it
+        self.init_stash(self.max_num_reqs, self.hidden_size, device, self.dtype, self.input_ids.dtype)
+        self._pass_positions: torch.Tensor | None = None  # [B, k] the last block pass's positions
+
+    # the drafting core's input rows are V2's drafter buffers (hidden_states is TargetDependentARSpeculator's)
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.input_buffers.input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.input_buffers.positions
+
+    @property
+    def block_size(self) -> int:
+        return self.block_tables.block_sizes[0]
+
+    # ------------------------------------------------------------------ 0.34's speculator interface
+    def load_draft_model(self, target_model: nn.Module, target_attn_layer_names: set[str]) -> nn.Module:
+        model = load_eagle_model(target_model, self.vllm_config)  # shares the target's embedding and LM head
+        if not hasattr(model, "attach_falcon_proposer"):
+            raise ValueError(f"falcon-vllm: the draft model is {type(model).__name__}, not the Falcon drafter "
+                             "(EagleFalconForCausalLM): give a Falcon drafter directory as model")
+        if model.truncated and self.use_draft_logits:
+            raise ValueError("falcon-vllm: draft_sample_method 'probabilistic' with a truncated draft vocabulary "
+                             "(d2t) is not ported to vLLM 0.34 yet (its draft logits are over the draft ids): use "
+                             "greedy drafts, a drafter with the full vocabulary, or vLLM 0.32/0.33")
+        wrap_gemms(model)  # draft_gemm_dtype
+        model.attach_falcon_proposer()  # lifts its guard against being run by stock EAGLE
+        return model
+
+    def set_attn(self, model_state: ModelState, kv_cache_config: KVCacheConfig, block_tables: BlockTables,
+                 target_input_buffers: InputBuffers, target_attn_groups: list[list[AttentionGroup]]) -> None:
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups)
+        if len(block_tables.block_sizes) != 1 or block_tables.cp_size != 1:
+            raise ValueError(f"falcon-vllm: the vLLM 0.34 speculator lays out its block passes on one KV-cache group "
+                             f"without context parallelism; this model has {len(block_tables.block_sizes)} groups "
+                             f"and context-parallel size {block_tables.cp_size}. Use vLLM 0.32/0.33")
+
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        super().init_cudagraph_manager(CUDAGraphMode.NONE)  # eager passes, as on V1
+
+    def capture(self) -> None:
+        return  # no CUDA graphs to capture
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch: InputBatch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,  # [num_reqs]
+        num_rejected: torch.Tensor,  # [num_reqs]
+        last_sampled: torch.Tensor,  # [max_num_reqs]
+        next_prefill_tokens: torch.Tensor,  # [num_prefill_lookahead, max_num_reqs]
+        temperature: torch.Tensor,  # [max_num_reqs]
+        seeds: torch.Tensor,  # [max_num_reqs]
+        dp_sync_state: DPSyncState | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+        num_speculative_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """Draft tokens [num_reqs, K] (int64; -1 past a step's ``num_speculative_tokens``)."""
+        K = self.num_speculative_steps if num_speculative_tokens is None else num_speculative_tokens
+        # the chunk pass; it leaves the shifted chunk in the drafter's input rows and each request's last chunk
+        # row in last_token_indices
+        super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                        num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                        dp_sync_state, dummy_run, skip_attn_for_dummy_run, mm_inputs, is_profile,
+                        num_speculative_tokens=0)
+        B = input_batch.num_reqs
+        if K == 0:
+            return self.draft_tokens[:B]  # filled with -1 by the chunk pass
+        max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:B].max())
+        self.draft_max_seq_len = min(max_seq_len + K, self.max_model_len)
+        step = _Step(input_batch, dummy_run, skip_attn=dummy_run and skip_attn_for_dummy_run)
+        drafts = self.draft_step(step, K, input_batch.num_tokens, self.last_token_indices[:B], B, _Draws(K))
+        self.draft_tokens[:B, :drafts.shape[1]] = drafts
+        return self.draft_tokens[:B]
+
+    # ------------------------------------------------------------------ the drafting core's passes
+    def _relaxed_block_inputs(self, step: _Step, last: torch.Tensor, B: int) -> BlockInputs:
+        req_ids = [] if step.dummy_run else list(step.input_batch.req_ids)[:B]
+        return self.block_inputs(step.input_batch.query_start_loc[:B], last, req_ids + [None] * (B - len(req_ids)))
+
+    def _chunk_pass(self, step: _Step, num_tokens: int, positions: torch.Tensor) -> None:
+        return  # it ran in propose, as TargetDependentARSpeculator's draft prefill (which lays out the rows)
+
+    def _block_pass(self, step: _Step, ids, feats, positions, writes, extra_len: int) -> torch.Tensor:
+        """One non-causal k-row block per request (``plan_block``); returns the outputs [B, k, H]."""
+        B, k = ids.shape
+        if step.dummy_run:
+            writes = torch.zeros_like(ids, dtype=torch.bool)
+        plan = self.plan_block(self.block_tables.input_block_tables[0][:B], ids, feats, positions, writes)
+        n = plan.num_rows
+        attn_metadata = slot_mappings_by_layer = None
+        if not step.skip_attn:
+            buffers = self.input_buffers
+            buffers.query_start_loc[:B + 1] = plan.query_start_cpu.to(self.device)
+            buffers.seq_lens[:B] = plan.seq_lens.to(buffers.seq_lens.dtype)
+            slots = plan.slot_mapping.view(1, n)  # [kv-cache groups, n]
+            eager = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=n, num_reqs=None)
+            attn_metadata = self._build_attn_metadata(
+                num_reqs=B, batch_desc=eager, query_start_loc_np=plan.query_start_cpu.numpy(),
+                seq_lens_cpu_upper_bound=step.input_batch.seq_lens_cpu_upper_bound, step=extra_len, causal=False,
+                slot_mappings=slots)
+            slot_mappings_by_layer = build_slot_mappings_by_layer(slots, self.kv_cache_config)
+        out, _ = self._run_model(n, attn_metadata, slot_mappings_by_layer, num_tokens_across_dp=None)
+        self.passes += 1
+        self._pass_positions = positions
+        return self.block_outputs(out[:n], B)
+
+    def _draft(self, rows: torch.Tensor, draws: _Draws, probs: list | None = None,
+               conf: list | None = None) -> torch.Tensor:
+        """rows [B, k, H] of the last block pass -> draft tokens [B, k] (target ids; -1 past column K).
+
+        Row r at position P drafts the token at P + k + 1; its draw is keyed, as vLLM keys draft draws, by the
+        position before that token, and its logits (sampled drafts) go to draft column ``draws.column + r``.
+        """
+        B, k, H = rows.shape
+        m = min(k, draws.K - draws.column)
+        columns = torch.arange(draws.column, draws.column + m, device=rows.device)
+        drawn = self.sample_draft(
+            rows[:, :m].reshape(B * m, H),
+            (self._pass_positions[:, :m] + k).reshape(B * m),
+            self.idx_mapping[:B].repeat_interleave(m),
+            self.temperature, self.seeds,
+            columns.repeat(B),
+            self.draft_logits,
+            num_steps=self.num_speculative_steps,
+        )
+        draws.column += k
+        out = torch.full((B, k), -1, dtype=torch.int64, device=rows.device)
+        out[:, :m] = self.model.to_target_ids(drawn).view(B, m)
+        return out
