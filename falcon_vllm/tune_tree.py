@@ -7,8 +7,10 @@ The paper hand-designed its trees.  We fit them from two measurements:
    exactly as in serving (:mod:`falcon_vllm.acceptance`).  The W nodes most often on those paths make
    the best tree of W nodes (prefix counts never increase along a path, so the set is a valid tree),
    with ``tau(tree) = 1 + sum over nodes of P(node)`` tokens per step.
-2. **Cost of verifying W tokens** at batch size B on the target (one forward of B x (1 + W) tree
-   tokens over a prefix) plus the drafter passes.
+2. **Cost of verifying W tokens** at batch size B on the target (one step of B x (1 + W) tree
+   tokens over a prefix) plus the drafter passes.  By default it is measured inside vLLM, on the engine that
+   serves the target (:mod:`falcon_vllm.vllm.verify_cost`): rows cost very differently there than in
+   transformers.  ``--cost transformers`` times a transformers forward instead, where vLLM is not installed.
 
 For each batch size the tree size W maximising ``tau(W) / step_time(B, W)`` is chosen (W = 0, no
 speculation, is a candidate), so a large batch gets a small tree and never runs slower than plain
@@ -83,6 +85,21 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
     return results
 
 
+@torch.inference_mode()
+def drafter_pass_cost(drafter, topk: int, blocks: int = 8) -> float:
+    """Seconds of one drafter pass over ``blocks`` k-token blocks (a pass drafts one block per expansion node),
+    the median of five runs after a warm-up."""
+    x = torch.randn(blocks, drafter.k, drafter.config.hidden_size)
+    pos, mask = torch.arange(drafter.k).expand(blocks, -1), torch.ones(drafter.k, drafter.k, dtype=torch.bool)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        out, _ = drafter(x, x, pos, mask)
+        drafter.topk_tokens(out, topk)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
 # ---------------------------------------------------------------------- CLI
 def add_arguments(p):
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
@@ -97,6 +114,10 @@ def add_arguments(p):
     p.add_argument("--topk", type=int, default=10)
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
     p.add_argument("--widths", default="2,4,8,16,24,32,48,64,96,128")
+    p.add_argument("--cost", choices=["vllm", "transformers"], default="vllm",
+                   help="where the verify cost of W tokens is measured: a step of the vLLM engine serving the "
+                        "target (default), or a transformers forward")
+    p.add_argument("--compile", action="store_true", help="--cost vllm: time the compiled engine, as served")
     p.add_argument("--out", required=True, help="output JSON (loadable as a tree: `tree: <file>`)")
 
 
@@ -129,29 +150,28 @@ def main(args):
         profiles += rank_profile(drafter, seq, feats, args.max_depth, args.topk, roots)
     bs = [int(b) for b in args.batch_sizes.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
+    draft_cost = drafter_pass_cost(drafter, args.topk)  # before vLLM's engine binds this process's threads
     memo = {}
+    if args.cost == "vllm":  # every (B, 1 + W) measured up front in one engine
+        from falcon_vllm.vllm.verify_cost import measure
+
+        with tqdm(total=len(bs) * (len(widths) + 1), desc="verify cost in vLLM") as bar:
+            memo.update(measure(tpath, bs, [1 + w for w in widths], compile=args.compile, progress=bar))
 
     def cost(B, W):
+        if args.cost == "vllm":  # a tree smaller than every width asked for: the next measured width up
+            return memo[(B, min(w for b, w in memo if b == B and w >= W))]
         if (B, W) not in memo:
             memo[(B, W)] = verify_cost(target, B, W)
         return memo[(B, W)]
 
-    # one drafter pass ~ a k-token block per expansion node: measured at 8 blocks
-    x = torch.randn(8, drafter.k, drafter.config.hidden_size)
-    times = []
-    with torch.inference_mode():
-        for _ in range(6):  # first run warms up; the median of the rest
-            t0 = time.perf_counter()
-            out, _ = drafter(x, x, torch.arange(drafter.k).expand(8, -1), torch.ones(drafter.k, drafter.k, dtype=torch.bool))
-            drafter.topk_tokens(out, args.topk)
-            times.append(time.perf_counter() - t0)
-    draft_cost = sorted(times[1:])[len(times[1:]) // 2]
     res = choose_trees(profiles, cost, tqdm(bs, desc="cost model"), widths, drafter.k, draft_cost)
     # the main tree is the largest one (vLLM's K); each batch size drafts its own (0 nodes: no speculation)
     largest = max(res.values(), key=lambda r: r["num_nodes"])
     out = {"paths": largest["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
            "samples": len(profiles), "costs_s": {f"{b}x{w}": t for (b, w), t in sorted(memo.items())},
-           "drafter_pass_s": draft_cost, "dataset": f"held-out of {args.data}" if args.data else args.dataset,
+           "cost_model": args.cost, "drafter_pass_s": draft_cost,
+           "dataset": f"held-out of {args.data}" if args.data else args.dataset,
            "drafter": args.drafter}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -375,6 +375,46 @@ def test_gen_data_answers_file_reproduces_the_data(tmp_path, target, monkeypatch
         gen_data.run("tiny", str(tmp_path / "f"), 4, 8, answers=str(tmp_path / "bad.safetensors"), **kw)
 
 
+def test_gen_data_answers_only_grows_a_file_that_featurizes_as_a_full_run(tmp_path, target, monkeypatch):
+    """--answers-only answers through one engine kept up across shards, writes the answers file after every
+    shard, resumes from it, records each run; featurizing that file later gives a full run's shards."""
+    import falcon_vllm.vllm.generate as vgen
+    from falcon_vllm.train import gen_data
+    from falcon_vllm.train.answer_files import answers_meta
+
+    engines = []
+
+    class Engine:  # stands in for vLLM's engine: the tiny target's greedy answers
+        def __init__(self, target_dir, max_model_len, max_num_seqs=128, dtype="float32"):
+            engines.append(dtype)
+            self.answer = gen_data.hf_generator(target, 0, {4})
+
+        def __call__(self, prompts, max_new_tokens):
+            return self.answer(prompts, max_new_tokens)
+
+        def close(self):
+            engines.append("closed")
+
+    monkeypatch.setattr(vgen, "VLLMGenerator", Engine)
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}" * (1 + i % 3)}, {"from": "gpt", "value": "a"}]}
+             for i in range(10)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    f, kw = str(tmp_path / "ans.safetensors"), dict(data=str(tmp_path / "sg.json"), tokenizer=_FakeTokenizer())
+    assert gen_data.answers_only("tiny", f, 6, 8, 4, gen_dtype="bfloat16", **kw) == 6  # shards of 4 and 2
+    assert engines == ["bfloat16", "closed"]  # one engine for both shards
+    assert gen_data.answers_only("tiny", f, 10, 8, 4, **kw) == 10  # resumed: conversations 6-9 only
+    runs = json.loads(answers_meta(f)["runs"])
+    assert [(r["conversations"], r["dtype"]) for r in runs] == [(6, "bfloat16"), (4, "float32")]
+    assert all(r["answer_tokens"] > 0 for r in runs)
+    hf = dict(model=target, backend="hf", shard_size=4, **kw)
+    full = load_shards(str(gen_data.run("tiny", str(tmp_path / "full"), 10, 8, **hf)))
+    later = load_shards(str(gen_data.run("tiny", str(tmp_path / "later"), 10, 8, answers=f, **hf)))
+    assert len(later) == 10 and all(torch.equal(x.tokens, y.tokens) and torch.equal(x.features, y.features)
+                                    for x, y in zip(full, later))
+    with pytest.raises(ValueError, match="other settings: max_new_tokens"):
+        gen_data.answers_only("tiny", f, 10, 9, 4, **kw)
+
+
 def test_gen_data_resumes_by_shard(tmp_path, target, monkeypatch):
     """A run into a directory that holds shards generates only the missing ones, keeps the written shards as
     they are, and starts its progress bar at them (so the bar's rate and ETA are the new work's)."""

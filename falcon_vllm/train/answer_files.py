@@ -22,7 +22,6 @@ def save_answers(out_dir: str, path: str) -> int:
     no hidden states) into one safetensors file, with the generation settings as metadata.  Returns the
     number of conversations written."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     man = json.loads(Path(out_dir, "manifest.json").read_text())
     toks, masks, offsets = [], [], [0]
@@ -35,12 +34,29 @@ def save_answers(out_dir: str, path: str) -> int:
         masks.append(m)
         offsets += (off[1:] + offsets[-1]).tolist()
     meta = {k: str(man.get(k, ANSWER_DEFAULTS.get(k))) for k in ANSWER_KEYS}
-    meta["conversations"] = str(len(offsets) - 1)
+    return write_answers(path, torch.cat(toks), torch.cat(masks), offsets, meta)
+
+
+def write_answers(path: str, tokens, loss_mask, offsets: list[int], meta: dict) -> int:
+    """Write an answers file atomically (a reader never sees half of one): the concatenated ``tokens`` and
+    ``loss_mask``, conversation i at ``offsets[i]:offsets[i+1]``, and ``meta`` (the settings of ``ANSWER_KEYS``,
+    anything else kept as is).  Returns the number of conversations."""
+    from safetensors.torch import save_file
+
+    meta = {**{k: str(v) for k, v in meta.items()}, "conversations": str(len(offsets) - 1)}
     tmp = path + ".tmp"
-    save_file({"tokens": torch.cat(toks).to(torch.int32), "loss_mask": torch.cat(masks).to(torch.uint8),
+    save_file({"tokens": torch.as_tensor(tokens).to(torch.int32), "loss_mask": torch.as_tensor(loss_mask).to(torch.uint8),
                "offsets": torch.tensor(offsets, dtype=torch.int64)}, tmp, metadata=meta)
     os.replace(tmp, path)
     return len(offsets) - 1
+
+
+def answers_meta(path: str) -> dict:
+    """The metadata of an answers file (its settings and what its runs recorded)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return dict(f.metadata() or {})
 
 
 def load_answers(path: str, expect: dict) -> tuple[list[tuple[list[int], list[int]]], int]:

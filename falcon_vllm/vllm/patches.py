@@ -96,8 +96,9 @@ READS = (
      "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping", "causal",
      "seq_lens_cpu_upper_bound", "positions", "_num_computed_tokens_cache", "_token_to_req_indices_cache"),
      "fields"),
-    (_RUNNER, ("_copy_valid_sampled_token_count",), "methods"),
+    (_RUNNER, ("_copy_valid_sampled_token_count", "execute_model"), "methods"),  # execute_model: verify_cost.py
     ("vllm.v1.worker.gpu_model_runner:ExecuteModelState", ("hidden_states",), "fields"),
+    ("vllm.v1.core.sched.output:SchedulerOutput", ("total_num_scheduled_tokens",), "fields"),  # verify_cost.py
     ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", ("draft_token_ids", "num_draft_tokens"), "fields"),
     ("vllm.v1.sample.metadata:SamplingMetadata", ("all_greedy", "temperature", "top_k", "top_p", "generators",
      "max_num_logprobs", "logitsprocs"), "fields"),
@@ -114,7 +115,7 @@ PROPOSE_PARAMS = ("self", "num_speculative_tokens", "target_token_ids", "target_
                   "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
                   "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")
 RUNNER_ATTRS = ("drafter", "requests", "input_batch", "input_ids", "positions", "sampler", "device", "vllm_config",
-                "discard_request_mask", "execute_model_state", "max_model_len")
+                "discard_request_mask", "execute_model_state", "max_model_len", "model", "model_config", "dtype")
 INPUT_BATCH_ATTRS = ("req_ids", "block_table", "sampling_metadata", "num_reqs", "update_async_output_token_ids",
                      "token_ids_cpu", "num_tokens_no_spec")
 IMPL_ATTRS = ("scale", "head_size", "sliding_window", "logits_soft_cap", "alibi_slopes", "kv_cache_dtype",
