@@ -48,6 +48,9 @@ class FalconConfig:
     model_type: str = "llama"
     tree: str | None = None           # default decoding tree (preset name or list string)
     draft_vocab_size: int | None = None  # truncated draft head: its N target tokens (None = the target's head)
+    # the truncated head is the target's LM-head rows of its N tokens, never trained: the checkpoint stores only
+    # d2t and the rows are taken from the target when the drafter is loaded (top-level ``frozen_head`` key)
+    frozen_head: bool = False
     # target layers whose input states (EAGLE-3's low/mid/high features) the drafter also reads at target
     # positions (gen-data --aux-layers); () = the final-norm states alone
     aux_layers: tuple[int, ...] = ()
@@ -75,6 +78,9 @@ class FalconConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
             raise ValueError(f"falcon-vllm: draft_vocab_size must be in [1, vocab_size={self.vocab_size}) "
                              f"got {self.draft_vocab_size}")
+        if self.frozen_head and not self.draft_vocab_size:
+            raise ValueError("falcon-vllm: frozen_head needs a truncated head (draft_vocab_size); without one the "
+                             "drafter uses the target's whole head anyway")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"falcon-vllm: model_type {self.model_type!r} is not supported "
                              f"(supported: {SUPPORTED_MODEL_TYPES})")
@@ -145,6 +151,7 @@ class FalconConfig:
             "num_hidden_layers": self.num_layers,
             "vocab_size": self.vocab_size,
             **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
+            **({"frozen_head": True} if self.frozen_head else {}),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
@@ -186,6 +193,7 @@ class FalconConfig:
                 intermediate_size=int(d["intermediate_size"]),
                 vocab_size=int(d["vocab_size"]),
                 draft_vocab_size=None if d.get("draft_vocab_size") is None else int(d["draft_vocab_size"]),
+                frozen_head=bool(d.get("frozen_head", False)),
                 num_layers=int(d.get("num_hidden_layers", 1)),
                 k=int(f.get("k", 2)),
                 fusion=f.get("fusion", "lstm"),

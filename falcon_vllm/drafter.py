@@ -249,6 +249,11 @@ class FalconDrafter(nn.Module):
             raise ValueError(f"falcon-vllm: drafter (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) "
                              f"does not fit the target embedding {tuple(w.shape)}")
         self._target = (embed_tokens, lm_head)
+        if self.config.frozen_head:  # the head is the target's rows of the draft tokens (the checkpoint has none)
+            with torch.no_grad():
+                rows = lm_head.weight[self.draft_ids.to(lm_head.weight.device)]
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+            self.lm_head.weight.requires_grad_(False)
         return self
 
     def init_draft_head(self, token_ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
@@ -350,7 +355,7 @@ class FalconDrafter(nn.Module):
 
         self.config.save(directory)
         state = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
-                 for k, v in self.state_dict().items()}
+                 for k, v in self.state_dict().items() if not (self.config.frozen_head and k == "lm_head.weight")}
         save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
@@ -360,7 +365,7 @@ class FalconDrafter(nn.Module):
             cfg.check_target(target_config)
         model = cls(cfg)
         state = load_state_dict_file(directory)
-        model.load_state_dict(check_state_dict(model, state, directory))
+        model.load_state_dict(check_state_dict(model, state, directory), strict=not cfg.frozen_head)
         return model.to(dtype).eval()
 
     @classmethod
@@ -382,8 +387,36 @@ class FalconDrafter(nn.Module):
         if target_config is not None:
             cfg.check_target(target_config)
         model = cls(cfg)
-        model.load_state_dict(check_state_dict(model, load_state_dict_file(directory), directory))
+        model.load_state_dict(check_state_dict(model, load_state_dict_file(directory), directory),
+                              strict=not cfg.frozen_head)
         return model.to(dtype).eval()
+
+
+HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")  # the head; tied: the embedding
+
+
+def target_head_rows(target_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the target's LM head, read from its safetensors files (a target with tied embeddings stores
+    no head: its embedding's rows).  A frozen-head drafter's head (``frozen_head``) is made of them at load."""
+    import glob
+
+    from safetensors import safe_open
+
+    where = {}
+    for path in sorted(glob.glob(os.path.join(target_dir, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            for key in set(HEAD_KEYS) & set(f.keys()):
+                where.setdefault(key, path)
+    key = next((k for k in HEAD_KEYS if k in where), None)
+    if key is None:
+        raise ValueError(f"falcon-vllm: the drafter's head is the target's LM-head rows (frozen_head), but "
+                         f"{target_dir} holds no safetensors file with {' or '.join(HEAD_KEYS)}")
+    with safe_open(where[key], "pt") as f:
+        weight = f.get_tensor(key)
+    if int(ids.max()) >= weight.shape[0]:
+        raise ValueError(f"falcon-vllm: the drafter's d2t map names token {int(ids.max())}, past the target's "
+                         f"{weight.shape[0]}-row {key}")
+    return weight[ids.long()].clone()
 
 
 def load_state_dict_file(directory: str) -> dict[str, torch.Tensor]:
@@ -408,6 +441,8 @@ def check_state_dict(model: nn.Module, state: dict, source: str) -> dict:
     """Map official Falcon keys onto ours and check names and shapes, with one clear error."""
     state = dict(official_weights(state.items(), keep_lm_head="lm_head.weight" in model.state_dict()))
     own = model.state_dict()
+    if model.config.frozen_head:  # the head's rows come from the target (attach_target), not the checkpoint
+        own.pop("lm_head.weight")
     if "d2t" in own:
         check_d2t(state.get("d2t"), own["d2t"].numel(), model.config.vocab_size, source)
     missing = sorted(set(own) - set(state))

@@ -119,12 +119,13 @@ def random_drafter(target, k: int = 2, fusion: str = "lstm", num_layers: int = 1
     return d.float().eval()
 
 
-def truncate_head(drafter: FalconDrafter, target, token_ids) -> FalconDrafter:
-    """A copy of ``drafter`` whose LM head covers only ``token_ids`` (the target's rows, with its d2t map)."""
+def truncate_head(drafter: FalconDrafter, target, token_ids, frozen: bool = False) -> FalconDrafter:
+    """A copy of ``drafter`` whose LM head covers only ``token_ids`` (the target's rows, with its d2t map);
+    ``frozen``: a head that stays the target's rows, saved as its d2t map alone."""
     from dataclasses import replace
 
     ids = torch.as_tensor(token_ids, dtype=torch.long)
-    d = FalconDrafter(replace(drafter.config, draft_vocab_size=ids.numel()))
+    d = FalconDrafter(replace(drafter.config, draft_vocab_size=ids.numel(), frozen_head=frozen))
     d.load_state_dict(drafter.state_dict(), strict=False)
     d.init_draft_head(ids, target.get_output_embeddings().weight)
     return d.float().eval()

@@ -167,6 +167,33 @@ def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):
     assert r.tau > 2.5, r.tau                                       # random drafter: ~1.0
 
 
+def test_a_frozen_draft_head_is_stored_as_its_map_and_continues_frozen(tmp_path, target, data):
+    """--freeze-draft-head: the head stays the target's rows of the most frequent answer tokens and the checkpoint
+    holds only their d2t map (Falcon and EAGLE layouts); loaded and attached, the drafter is the one trained;
+    --init-from continues it only as a frozen-head run."""
+    from safetensors import safe_open
+
+    kw = dict(samples=data, target=target, log=lambda *a: None)
+    base = TrainConfig(str(tmp_path / "a"), k=2, epochs=1, batch_size=8, lr=3e-3, draft_vocab=32,
+                       eval_every_epoch=False, eval_roots=12, train_draft_head=False)
+    train(base, **kw)
+    with safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as f:
+        assert "d2t" in f.keys() and "lm_head.weight" not in f.keys()
+    a = FalconDrafter.from_pretrained(str(tmp_path / "a"), target.config)
+    assert a.config.frozen_head
+    a.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
+    assert torch.equal(a.lm_head.weight, target.lm_head.weight.detach()[a.draft_ids])
+    b = train(replace(base, out_dir=str(tmp_path / "b"), lr=0.0, init_from=str(tmp_path / "a")), **kw)
+    assert b["final"]["sim_tau"] > 0
+    with pytest.raises(ValueError, match="another architecture.*frozen_head"):
+        train(replace(base, out_dir=str(tmp_path / "c"), train_draft_head=True, init_from=str(tmp_path / "a")), **kw)
+    train(TrainConfig(str(tmp_path / "e"), mode="eagle", epochs=1, batch_size=8, draft_vocab=32,
+                      eval_every_epoch=False, eval_roots=12, train_draft_head=False), **kw)
+    with safe_open(str(tmp_path / "e" / "vllm-eagle" / "model.safetensors"), "pt") as f:
+        assert "d2t" in f.keys() and "lm_head.weight" not in f.keys()
+    assert json.loads((tmp_path / "e" / "vllm-eagle" / "config.json").read_text())["frozen_head"] is True
+
+
 def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
     """--init-from loads a trained drafter whole (truncated head and d2t map included, not re-derived from
     the data), records what it continued, and refuses another architecture; given more layers than its

@@ -108,8 +108,9 @@ class TrainConfig:
     max_conversations: int | None = option(None, "train on the first N training conversations only (the held-out "
                                            "set is unchanged)")
     device: str = option("cpu", "cpu or cuda (under torchrun: each rank its LOCAL_RANK GPU)")
-    train_draft_head: bool = option(True, "keep a truncated head at the target's LM-head rows (default: trained "
-                                    "with the drafter)", flag="--freeze-draft-head")
+    train_draft_head: bool = option(True, "keep a truncated head at the target's LM-head rows, stored as its d2t "
+                                    "map alone (the rows are read from the target at load time; default: trained "
+                                    "with the drafter, and stored)", flag="--freeze-draft-head")
     init_from: str | None = option(
         None, "start from this trained drafter's weights (same architecture and draft head; a new optimiser and "
         "schedule: e.g. to train a shipped drafter further). With more --layers than it has, the extra layers start "

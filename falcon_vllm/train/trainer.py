@@ -185,11 +185,14 @@ def build_drafter(cfg: TrainConfig, target, train_set: list, device: str) -> tup
     dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
                                     draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order,
                                     level_embedding=cfg.level_embedding, aux_layers=tuple(cfg.aux_layers))
+    # a head kept at the target's rows is not stored: only its d2t map (the rows are the target's at load time)
+    dcfg.frozen_head = bool(dcfg.draft_vocab_size and not cfg.train_draft_head)
     drafter = FalconDrafter(dcfg).to(device)
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     init_record = None
     if cfg.init_from:  # continue a trained drafter (its head and d2t map included) with a fresh schedule
         init_record = init_weights(drafter, cfg.init_from, target.config)
+        drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())  # frozen rows: its d2t
     elif dcfg.draft_vocab_size:  # truncated head: the most frequent answer tokens, from the target's rows
         drafter.init_draft_head(frequent_tokens(train_set, dcfg.draft_vocab_size, dcfg.vocab_size),
                                 target.get_output_embeddings().weight)
@@ -384,7 +387,7 @@ def train_step(drafter, net, opt, sched, batch: dict, epoch: int, cfg: TrainConf
 
 INIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
                "head_dim", "num_layers", "k", "fusion", "fc_bias", "block_order", "draft_vocab_size", "aux_layers",
-               "level_embedding")
+               "level_embedding", "frozen_head")
 
 
 def init_weights(drafter: FalconDrafter, directory: str, target_config) -> dict:
@@ -453,5 +456,5 @@ def export_vllm_eagle(drafter: FalconDrafter, out: str, dtype: torch.dtype | Non
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
     save_file({n: t.detach().to(dtype if dtype and t.is_floating_point() else t.dtype).contiguous()
-               for n, t in drafter.state_dict().items()},
+               for n, t in drafter.state_dict().items() if not (cfg.frozen_head and n == "lm_head.weight")},
               os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

@@ -251,9 +251,10 @@ class DraftHead:
     """The LM head of an EAGLE-style drafter: the target's (shared by vLLM), or a truncated one of
     ``draft_vocab_size`` rows with its ``d2t`` map (loaded from the checkpoint, never defaulted)."""
 
-    def _init_head(self, prefix: str, model_dtype: torch.dtype) -> None:
+    def _init_head(self, prefix: str, model_dtype: torch.dtype, target: str | None = None) -> None:
         cfg = self.config
         self.model_dtype = model_dtype  # the dtype vLLM loads the weights in (before _cast_gemms)
+        self.target_dir = target  # where a frozen head's rows are read (the served model's directory)
         n = getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
         cfg.draft_vocab_size = n
         self.truncated = n < cfg.vocab_size
@@ -290,10 +291,28 @@ class DraftHead:
             from falcon_vllm.drafter import check_d2t
 
             check_d2t(None, self.d2t.numel(), self.config.vocab_size, "drafter checkpoint")
+        if getattr(self.config, "frozen_head", False) and self.truncated:  # the head's rows are the target's
+            from falcon_vllm.drafter import target_head_rows
+
+            yield "lm_head.weight", target_head_rows(_local_dir(self.target_dir), self.to_target_ids(
+                torch.arange(self.d2t.numel(), device=self.d2t.device)).cpu())
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (identity for the target's head)."""
         return draft_ids + self.d2t[draft_ids] if self.truncated else draft_ids
+
+
+def _local_dir(model: str | None) -> str:
+    """The served model's local directory (a hub name: its snapshot already on this machine, never downloaded)."""
+    if model and os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"falcon-vllm: the drafter's head is the target's LM-head rows (frozen_head), but the "
+                         f"target {model!r} is no local directory ({type(e).__name__}: {e})") from None
 
 
 class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
@@ -302,7 +321,7 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_head(prefix, vllm_config.model_config.dtype)
+        self._init_head(prefix, vllm_config.model_config.dtype, vllm_config.model_config.model)
         use_cpu_norm_kernels(self)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -333,7 +352,7 @@ class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.model = FalconDraftModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                       start_layer_id=target_layers)
-        self._init_head(prefix, vllm_config.model_config.dtype)
+        self._init_head(prefix, vllm_config.model_config.dtype, vllm_config.model_config.model)
         use_cpu_norm_kernels(self)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
