@@ -43,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     args.given = given_options(module.add_arguments, argv[1:])
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # the project's own errors: the message alone, no traceback
+        if not str(e).startswith("falcon-vllm:"):
+            raise
+        print(e, file=sys.stderr)
+        return 1
 
 
 def given_options(add_arguments, argv: list[str]) -> set[str]:

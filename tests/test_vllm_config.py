@@ -597,3 +597,16 @@ def test_new_and_old_key_names_give_the_same_engine_config(dirs):
         _config(dirs, {**base, "drafter_k": 3})
     with pytest.raises(ValueError, match="are the same key; give one"):
         _config(dirs, {**base, "drafter_tokens": 2, "falcon_tokens": 2})
+
+
+def test_demo_for_a_target_without_a_drafter_says_what_it_tried(tmp_path, capsys):
+    """`falcon-vllm demo --target <dir>` with no shipped drafter for it: one error naming what was tried, before
+    any engine starts, and no traceback."""
+    from falcon_vllm import cli
+    from falcon_vllm.testing import tiny_llama
+
+    tiny_llama(vocab=256, qwen2=True, tied=True).save_pretrained(str(tmp_path))
+    capsys.readouterr()
+    assert cli.main(["demo", "--target", str(tmp_path), "--questions", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-vllm: no drafter for this target. Tried:") and "Traceback" not in err

@@ -1,9 +1,10 @@
-"""``falcon-vllm demo`` (``make demo``): SmolLM2-135M-Instruct with and without falcon, in vLLM on CPU.
+"""``falcon-vllm demo`` (``make demo``): a target with and without falcon, in vLLM on CPU.
 
-Answers a few MT-Bench questions with vanilla decoding and with Falcon speculative decoding (the
-drafter shipped in ``falcon_vllm/drafters/smollm2-135m-instruct``), prints the answers, tokens/s
-of both, tau (mean tokens per verification step, from vLLM's counters) and whether the greedy
-outputs are identical.
+Answers a few MT-Bench questions with vanilla decoding and with Falcon speculative decoding, prints the
+answers, tokens/s of both, tau (mean tokens per verification step, from vLLM's counters) and whether the
+greedy outputs are identical.  The target is SmolLM2-135M-Instruct unless ``--target`` names another offline
+model (``make models-qwen``: qwen2.5-coder-1.5b-instruct) or a directory; the drafter is the shipped one
+whose recorded target it is, as ``"model": "falcon"`` resolves it, unless ``--drafter`` gives one.
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ from __future__ import annotations
 import os
 import time
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-instruct")
-
-
 def add_arguments(p):
+    p.add_argument("--target", default=None,
+                   help="an offline model's name (default: smollm2-135m-instruct) or a target directory")
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="chain length (default: the drafter's recommended configuration, its serving.json)")
-    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one for the target)")
     p.add_argument("--tree", default=None,
                    help="run falcon in tree mode with this tree (e.g. falcon-llama, tree-2x2x1); default: a chain "
                         "of --num-speculative-tokens")
@@ -37,8 +37,12 @@ def main(args):
     from falcon_vllm.models import load_chat_prompts, model_path
     from falcon_vllm.vllm.engine import counter_delta, shutdown_llm, spec_counters
 
-    target = str(model_path())
-    drafter = args.drafter or SHIPPED
+    target = str(model_path(args.target) if args.target else model_path())
+    drafter = args.drafter
+    if drafter is None:  # the shipped drafter for this target, before any engine starts (else: what was tried)
+        from falcon_vllm.vllm.options import resolve_drafter
+
+        drafter = resolve_drafter("falcon", AutoConfig.from_pretrained(target))
     if not os.path.exists(os.path.join(drafter, "model.safetensors")):
         import torch
 
