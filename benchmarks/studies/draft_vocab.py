@@ -13,6 +13,10 @@ step (one token after a ``--context``-token KV cache), both timed in this proces
 the median of ``--repeats`` runs (torch threads as given).
 
     python benchmarks/studies/draft_vocab.py --data <gen-data dir> --name draft_vocab_smollm2
+    python benchmarks/studies/draft_vocab.py --answers <answers file> --target <dir> --name draft_vocab_qwen15
+
+``--answers`` (a gen-data answers file, tokens only) serves where no featurized data exists yet: coverage
+needs only the answer tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +31,21 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
-from harness.paths import RESULTS  # noqa: E402
+from harness.paths import RESULTS, portable  # noqa: E402
 
 from falcon_vllm.config import FalconConfig  # noqa: E402
 from falcon_vllm.drafter import FalconDrafter, chunk_mask  # noqa: E402
-from falcon_vllm.train.gen_data import load_shards  # noqa: E402
+from falcon_vllm.train.gen_data import Sample, load_shards  # noqa: E402
 from falcon_vllm.train.data import frequent_tokens, split_held_out, vocab_coverage  # noqa: E402
+
+
+def answer_samples(path: str) -> list[Sample]:
+    """The conversations of an answers file as samples without features (coverage needs only the tokens)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        t, m, off = f.get_tensor("tokens").long(), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets").tolist()
+    return [Sample(t[a:b], m[a:b], None) for a, b in zip(off[:-1], off[1:])]
 
 
 def timed(fn, repeats: int) -> float:
@@ -48,7 +61,8 @@ def timed(fn, repeats: int) -> float:
 @torch.inference_mode()
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="gen-data directory (comma-separated for several)")
+    p.add_argument("--data", default=None, help="gen-data directory (comma-separated for several)")
+    p.add_argument("--answers", default=None, help="instead of --data: a gen-data answers file (tokens only)")
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--sizes", default="2048,4096,8192,16384,32768")
     p.add_argument("--k", type=int, default=2)
@@ -65,7 +79,9 @@ def main(argv=None):
 
     target = AutoModelForCausalLM.from_pretrained(args.target or str(model_path()), dtype=torch.float32).eval()
     V = target.config.vocab_size
-    data = load_shards(args.data)
+    if (args.data is None) == (args.answers is None):
+        raise SystemExit("draft_vocab: give one of --data and --answers")
+    data = load_shards(args.data) if args.data else answer_samples(args.answers)
     train, held, _ = split_held_out(data)
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -112,7 +128,8 @@ def main(argv=None):
         cov = 1.0 if n is None else vocab_coverage(held, frequent_tokens(train, n, V), V)
         rows.append({"draft_vocab": n or V, "heldout_coverage": round(cov, 4), "drafter_pass_ms": round(td * 1e3, 3),
                      "target_step_ms": round(tt * 1e3, 3), "pass_over_target_step": round(td / tt, 4)})
-    res = {"command": "python benchmarks/studies/draft_vocab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": "python benchmarks/studies/draft_vocab.py " + " ".join(str(portable(a)) for a in (
+               argv if argv is not None else sys.argv[1:])),
            "train_conversations": len(train), "heldout_conversations": len(held), "threads": args.threads,
            "context": args.context, "k": args.k, "rows": rows}
     os.makedirs(args.out_dir, exist_ok=True)
@@ -120,7 +137,7 @@ def main(argv=None):
         json.dump(res, f, indent=1)
     lines = [f"# Draft vocabulary: coverage and drafter-pass cost ({args.name})", "",
              f"Command: `{res['command']}`", "",
-             f"Frequencies from {len(train)} training conversations, coverage of the answer tokens of "
+             f"{'Answers file' if args.answers else 'gen-data'}: frequencies from {len(train)} training conversations, coverage of the answer tokens of "
              f"{len(held)} held-out ones. Cost: one drafter pass (k={args.k} rows, 1 layer, fc fusion, top-4 "
              f"over the head) against one target decode step after {args.context} tokens (HF, fp32, "
              f"{args.threads} thread(s), median of {args.repeats} x 3 interleaved rounds).", "",
