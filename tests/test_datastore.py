@@ -52,7 +52,7 @@ def test_save_load_round_trip_and_clear_errors(tmp_path):
         Datastore(np.array([1, 2]), 3, 2)
 
 
-def test_cli_stores_the_training_answers_only(tmp_path):
+def test_cli_stores_the_training_answers_only(tmp_path, capsys):
     """`falcon-vllm datastore` keeps the loss-masked (answer) tokens of a gen-data answers file, one segment per
     conversation, of the first --num-conversations less the last 1/16 (train's held-out set)."""
     from safetensors.numpy import save_file
@@ -72,5 +72,7 @@ def test_cli_stores_the_training_answers_only(tmp_path):
     assert st.tokens.tolist() == [t for i in range(17) for t in (i, i + 1000, -1)] and st.min_n == 2  # 18 // 16 out
     assert main(["datastore", "--answers", str(tmp_path / "a.st"), "--out", out, "--num-conversations", "4"]) == 0
     assert Datastore.load(out).tokens.tolist() == [0, 1000, -1, 1, 1001, -1, 2, 1002, -1]
-    with pytest.raises(ValueError, match="could not be read"):
-        main(["datastore", "--answers", str(tmp_path / "missing.st"), "--out", out])
+    capsys.readouterr()
+    assert main(["datastore", "--answers", str(tmp_path / "missing.st"), "--out", out]) == 1  # the error, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-vllm: datastore: answers file") and "could not be read" in err
