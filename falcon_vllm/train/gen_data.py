@@ -332,16 +332,21 @@ class Job:
     gen_dtype: str = "float32"  # the dtype vLLM answers in (the features always come from the fp32 target)
 
 
+def check_stored_prompts(stored, prompts: list, source: str) -> None:
+    """Each stored (index, tokens) conversation must begin with that conversation's prompt in this run's data."""
+    for i, q in stored:
+        if q[:len(prompts[i])] != prompts[i]:
+            raise ValueError(f"falcon-vllm: gen-data: {source}: conversation {i} does not begin with this data's "
+                             "prompt (another dataset, template or order)")
+
+
 def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> dict:
     """Write shard ``path``: the conversations ``shard`` (indices into ``prompts`` and ``convs``), answered (or
     taken from the stored answers) and featurized.  Returns its manifest entry."""
     from_answers = shard[-1] < len(job.stored)
     if from_answers:  # the stored answers (featurized, or continued below)
         seqs, masks = [job.stored[i][0] for i in shard], [job.stored[i][1] for i in shard]
-        for i, q in zip(shard, seqs):
-            if q[:len(prompts[i])] != prompts[i]:
-                raise ValueError(f"falcon-vllm: gen-data: --answers {job.answers}: conversation {i} does not "
-                                 "begin with this data's prompt (another dataset, template or order)")
+        check_stored_prompts(zip(shard, seqs), prompts, f"--answers {job.answers}")
     generated = job.replies == "target" and (not from_answers or job.stored_turns < job.max_turns)
     generate_s = 0.0
     if job.replies == "data":
@@ -404,10 +409,7 @@ def answers_only(target_dir: str, path: str, num_conversations: int | None, max_
             "skip_conversations": skip_conversations, "loss_from_turn": 1, "generation": GENERATION["target"]}
     stored = load_answers(path, meta)[0] if os.path.exists(path) else []
     runs = json.loads(answers_meta(path).get("runs", "[]")) if stored else []
-    for i, (q, _) in enumerate(stored[:len(prompts)]):
-        if q[:len(prompts[i])] != prompts[i]:
-            raise ValueError(f"falcon-vllm: gen-data: {path}: conversation {i} does not begin with this data's "
-                             "prompt (another dataset, template or order)")
+    check_stored_prompts(((i, q) for i, (q, _) in enumerate(stored[:len(prompts)])), prompts, path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     job = Job(target_dir, None, tok, pad, {tok.eos_token_id} - {None}, backend="vllm", replies="target",
               batch_size=shard_size, max_new_tokens=max_new_tokens, max_turns=1, max_total_tokens=max_total_tokens,
