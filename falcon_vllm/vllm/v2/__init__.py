@@ -8,13 +8,21 @@ after which ``{"method": "falcon", ...}`` is set up by :class:`~falcon_vllm.vllm
 and drafted by :class:`~falcon_vllm.vllm.v2.speculator.FalconSpeculator`, which the runner builds.  Tree mode is
 not offered here (V2 has no tree verification; ``docs/vllm-0.34-port.md`` section 4).
 
+On vLLM 0.32/0.33, whose Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) builds its speculator in a hard-coded
+``init_speculator``, :func:`install_runner_hook` wraps that one function instead: a Falcon drafter (the config
+hook has tagged its ``hf_config.falcon``) gets the same :class:`~falcon_vllm.vllm.v2.speculator.FalconSpeculator`.
+
 Only this package imports names that exist in vLLM 0.34 alone, and only from its submodules: importing
 ``falcon_vllm.vllm.v2`` itself imports no vLLM, so the plugin keeps working on 0.32/0.33.
 """
 
 from __future__ import annotations
 
+import sys
+
 METHOD = "falcon"
+SPEC_DECODE = "vllm.v1.worker.gpu.spec_decode"  # where V2's init_speculator lives
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner"   # which imports it by name
 
 
 def register() -> None:
@@ -38,3 +46,51 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "falcon_vllm.vllm.model:EagleFalconForCausalLM")
     register_speculative_method(METHOD, FalconSpeculatorConfig)
+
+
+def is_falcon(vllm_config) -> bool:
+    """Whether the config's drafter is a Falcon drafter set up by the plugin (its ``hf_config.falcon``)."""
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_model_config", None)
+    return isinstance(getattr(getattr(draft, "hf_config", None), "falcon", None), dict)
+
+
+def install_runner_hook() -> bool:
+    """vLLM 0.32/0.33's Model Runner V2: build :class:`FalconSpeculator` for a Falcon drafter where the runner builds
+    its speculator (``init_speculator``), vLLM's own otherwise.  True when installed now; False where vLLM has no
+    V2 speculators, registers them (0.34: :func:`register`), or the hook is already in."""
+    from falcon_vllm.vllm import patches
+
+    try:
+        spec_decode = patches.resolve(SPEC_DECODE)
+    except ImportError:
+        return False
+    if not hasattr(spec_decode, "init_speculator") or has_registry():
+        return False
+
+    def make(orig):
+        def init_speculator(vllm_config, device, req_states, *args, **kwargs):
+            if not is_falcon(vllm_config):
+                return orig(vllm_config, device, req_states, *args, **kwargs)
+            from falcon_vllm.vllm.v2.speculator import FalconSpeculator
+
+            return FalconSpeculator(vllm_config, device)
+
+        return init_speculator
+
+    installed = patches.wrap(spec_decode, "init_speculator", make)
+    runner = sys.modules.get(V2_RUNNER)  # imported before the plugin: its name still points at vLLM's own
+    if runner is not None and getattr(runner, "init_speculator", None) is patches.original(spec_decode,
+                                                                                          "init_speculator"):
+        runner.init_speculator = spec_decode.init_speculator
+    return installed
+
+
+def has_registry() -> bool:
+    """Whether vLLM registers V2 speculators by name (0.34: ``register_speculative_method``)."""
+    from falcon_vllm.vllm import patches
+
+    try:
+        return hasattr(patches.resolve(SPEC_DECODE + ".speculator_config"), "register_speculative_method")
+    except ImportError:
+        return False

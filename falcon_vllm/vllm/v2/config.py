@@ -20,36 +20,11 @@ from __future__ import annotations
 from vllm.config import SpeculativeConfig
 from vllm.v1.worker.gpu.spec_decode.eagle.config import EagleSpeculatorConfig
 
-from falcon_vllm.vllm.options import ragged_drafts, resolve_falcon_config
+from falcon_vllm.vllm.options import resolve_falcon_config
+from falcon_vllm.vllm.v2.rules import RAGGED_OFF, check_v2, v2_defaults
 
 # the SpeculativeConfig fields Falcon's option resolution reads, besides speculator_options
 SPEC_FIELDS = ("model", "num_speculative_tokens", "draft_sample_method")
-# what V2 does not do yet, off unless asked for (then refused by check_v2), over a drafter's serving.json
-RAGGED_OFF = {"prompt_lookup_max": 0, "draft_confidence": 0}
-
-
-def check_v2(falcon: dict) -> None:
-    """Refuse what the V2 speculator does not do yet; ``falcon`` is a resolved Falcon config (the drafter's
-    ``hf_config.falcon``: :func:`resolve_falcon_config`'s info over the checkpoint's section)."""
-    if falcon.get("mode") == "tree":
-        raise ValueError(
-            f"falcon-vllm: tree mode (tree {falcon.get('tree_name')!r}) does not run on vLLM 0.34: Model Runner V2 "
-            "has no tree verification (vLLM removed tree attention) and the plugin's tree positions, ancestor "
-            "mask, tree sampler and KV compaction are not ported yet (docs/vllm-0.34-port.md, section 4). Give a "
-            "chain (num_speculative_tokens, no tree), or serve tree mode on vLLM 0.32/0.33")
-    if (ragged := ragged_drafts(falcon)) is not None:
-        raise ValueError(
-            f"falcon-vllm: {ragged} gives requests drafts of different lengths, which the plugin does not yet "
-            "pass to vLLM 0.34's runner (it schedules every request the same draft length). Drop it, or use "
-            "vLLM 0.32/0.33")
-    if falcon.get("draft_temperature_scale", 1.0) != 1.0:
-        raise ValueError(
-            "falcon-vllm: draft_temperature_scale is not applied by the vLLM 0.34 speculator yet (its sampled drafts "
-            "are drawn at the request's temperature). Drop it, or use vLLM 0.32/0.33")
-    if falcon.get("level_embedding"):
-        raise ValueError(
-            "falcon-vllm: this drafter was trained with level embeddings, which the vLLM 0.34 speculator does not "
-            "feed yet. Use a drafter trained without --level-embedding, or vLLM 0.32/0.33")
 
 
 class FalconSpeculatorConfig(EagleSpeculatorConfig):
@@ -73,9 +48,7 @@ class FalconSpeculatorConfig(EagleSpeculatorConfig):
         if fields := sorted(set(SPEC_FIELDS) & set(options)):
             raise ValueError(f"falcon-vllm: {fields} are fields of the speculative config: give them beside "
                              "speculator_options, not in it")
-        defaults = dict(RAGGED_OFF)
-        if spec.draft_sample_method == "probabilistic":
-            defaults["draft_temperature_scale"] = 1.0  # a drafter's recommended scale is not applied on V2
+        defaults = v2_defaults(spec.draft_sample_method)
         resolved, info = resolve_falcon_config({**defaults, **given, **options}, spec.target_model_config.hf_config,
                                                set(SPEC_FIELDS) | set(RAGGED_OFF))
         check_v2(info)

