@@ -149,3 +149,32 @@ def test_falcon_chain_on_v2_samples_losslessly(tmp_path_factory):
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
     c = out["counters"]
     assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c  # both branches of the rejection sampler ran
+
+
+def test_v2_serves_the_shipped_default_as_a_plain_chain(monkeypatch):
+    """The shipped SmolLM2 drafter's serving.json asks for prompt lookup, the datastore and sampled drafts at a
+    draft temperature scale, none of which V2 serves: on V2 it is not applied, so the bare config is the drafter's
+    chain of 2k tokens, not a refusal of options the user never gave."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import falcon_vllm
+    from falcon_vllm.models import model_path
+
+    falcon_vllm.register()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    built, hooked = [], EngineArgs.create_speculative_config
+
+    def record(self, *args, **kwargs):
+        built.append(hooked(self, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", record)
+    args = EngineArgs(model=str(model_path()), dtype="float32", max_model_len=512, enforce_eager=True,
+                      speculative_config={"method": "falcon", "model": "falcon"})
+    with pytest.raises(Exception, match="Model Runner V2 requires Triton"):  # vLLM's own check, after the config
+        args.create_engine_config()
+    (spec,) = built
+    falcon = spec.draft_model_config.hf_config.falcon
+    assert falcon["mode"] == "chain" and "prompt_lookup" not in falcon and "datastore" not in falcon
+    assert "draft_temperature_scale" not in falcon
+    assert spec.num_speculative_tokens == 2 * falcon["k"] and spec.draft_sample_method != "probabilistic"

@@ -84,12 +84,10 @@ def _create_speculative_config(orig):
 
         from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
 
-        from falcon_vllm.vllm.v2.rules import check_v2, v2_defaults
+        from falcon_vllm.vllm.v2.rules import check_v2
 
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-        on_v2 = runner_env is not None and runner_env.strip().lower() in ("1", "true")
-        if on_v2:  # Model Runner V2: FalconSpeculator (chain mode); a drafter's ragged-draft defaults left off
-            merged = {**v2_defaults(merged.get("draft_sample_method")), **merged}
+        on_v2 = runner_env is not None and runner_env.strip().lower() in ("1", "true")  # FalconSpeculator, chains
         pp = getattr(target_parallel_config, "pipeline_parallel_size", 1)
         if pp > 1:
             raise ValueError(
@@ -100,7 +98,7 @@ def _create_speculative_config(orig):
                 "tensor_parallel_size instead")
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
-        eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid)
+        eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid, recommend=not on_v2)
         if on_v2:
             check_v2(info)
         asked = getattr(self, "async_scheduling", None)

@@ -182,8 +182,10 @@ def check_cudagraph_mode(falcon: dict, mode, enforce_eager: bool = False):
     return mode
 
 
-def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[dict, dict]:
-    """Return (the config to give vLLM with method 'eagle', Falcon info to tag the draft config)."""
+def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], recommend: bool = True) -> tuple[dict, dict]:
+    """Return (the config to give vLLM with method 'eagle', Falcon info to tag the draft config).  ``recommend``:
+    a config that gives neither a tree nor ``num_speculative_tokens`` takes the drafter's ``serving.json``
+    (False: not, as on Model Runner V2, which has none of the V1 runner's modes it was tuned for)."""
     opts, rest, names = parse(sc, valid_keys)
     for key, allowed, why in INCOMPATIBLE:
         if rest.get(key) not in allowed:
@@ -199,7 +201,7 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if opts.drafter_k is not None and opts.drafter_k != cfg.k:
         raise ValueError(f"falcon-vllm: {names['drafter_k']}={opts.drafter_k!r} but the drafter at {path} was trained "
                          f"with k={cfg.k}")
-    if opts.tree is None and opts.num_speculative_tokens is None:
+    if recommend and opts.tree is None and opts.num_speculative_tokens is None:
         opts = with_recommendation(opts, path)
     tree, n = None, opts.num_speculative_tokens
     if opts.tree is not None:

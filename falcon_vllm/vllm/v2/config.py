@@ -12,7 +12,8 @@ drafter's hf_config and ``num_lookahead_tokens`` = K.  Falcon's own options go i
 ``model`` picks a shipped drafter for the target) before the draft ``ModelConfig`` is built; the result is
 tagged on the drafter's ``hf_config.falcon``, as on V1.  Not available on V2 yet, each refused with its
 reason: tree mode, ragged drafts (prompt lookup, datastore, ``draft_confidence``), ``draft_temperature_scale``,
-level-embedding drafters.  A drafter's recommended values of those (its ``serving.json``) are left off here.
+level-embedding drafters.  The drafter's ``serving.json`` is not applied here (it was tuned for the V1 runner's
+modes): a chain is the drafter's 2k tokens unless ``num_speculative_tokens`` is given.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.worker.gpu.spec_decode.eagle.config import EagleSpeculatorConfig
 
 from falcon_vllm.vllm.options import resolve_falcon_config
-from falcon_vllm.vllm.v2.rules import RAGGED_OFF, check_v2, v2_defaults
+from falcon_vllm.vllm.v2.rules import check_v2
 
 # the SpeculativeConfig fields Falcon's option resolution reads, besides speculator_options
 SPEC_FIELDS = ("model", "num_speculative_tokens", "draft_sample_method")
@@ -48,9 +49,8 @@ class FalconSpeculatorConfig(EagleSpeculatorConfig):
         if fields := sorted(set(SPEC_FIELDS) & set(options)):
             raise ValueError(f"falcon-vllm: {fields} are fields of the speculative config: give them beside "
                              "speculator_options, not in it")
-        defaults = v2_defaults(spec.draft_sample_method)
-        resolved, info = resolve_falcon_config({**defaults, **given, **options}, spec.target_model_config.hf_config,
-                                               set(SPEC_FIELDS) | set(RAGGED_OFF))
+        resolved, info = resolve_falcon_config({**given, **options}, spec.target_model_config.hf_config,
+                                               set(SPEC_FIELDS), recommend=False)  # serving.json: V1's modes
         check_v2(info)
         for name, value in resolved.items():  # model, num_speculative_tokens and any vLLM key it filled in
             if name != "method":

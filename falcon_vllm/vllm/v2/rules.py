@@ -2,25 +2,15 @@
 
 Used by the 0.34 speculator config (:mod:`falcon_vllm.vllm.v2.config`) and by the config hook on 0.32/0.33
 when ``VLLM_USE_V2_MODEL_RUNNER=1`` (:mod:`falcon_vllm.vllm.hooks`), so both runners refuse the same things with
-the same words.
+the same words.  Both resolve the options without the drafter's ``serving.json`` (``recommend=False``): it was
+tuned for the V1 runner's modes (prompt lookup, the datastore, trees, a draft temperature scale), so on V2 a
+chain is the drafter's 2k tokens unless ``num_speculative_tokens`` is given, and what this module refuses is only
+ever what the user asked for.
 """
 
 from __future__ import annotations
 
 from falcon_vllm.vllm.options import ragged_drafts
-
-# what V2 does not do yet, off unless asked for (then refused by check_v2), over a drafter's serving.json
-RAGGED_OFF = {"prompt_lookup_max": 0, "draft_confidence": 0}
-
-
-def v2_defaults(draft_sample_method: str | None) -> dict:
-    """Option defaults laid under the user's on V2: a drafter's recommended ragged drafts and draft temperature
-    scale are not applied there (asked for explicitly, :func:`check_v2` refuses them)."""
-    defaults = dict(RAGGED_OFF)
-    if draft_sample_method == "probabilistic":
-        defaults["draft_temperature_scale"] = 1.0
-    return defaults
-
 
 def check_v2(falcon: dict) -> None:
     """Refuse what the V2 speculator does not do yet; ``falcon`` is a resolved Falcon config (the drafter's
