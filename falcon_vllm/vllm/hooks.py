@@ -83,7 +83,6 @@ def _create_speculative_config(orig):
         from vllm.logger import init_logger
 
         from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
-
         from falcon_vllm.vllm.v2.rules import check_v2
 
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
