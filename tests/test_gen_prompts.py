@@ -122,3 +122,31 @@ def test_leads_open_the_user_turns_in_turn(tmp_path, tok, monkeypatch):
         gen_prompts.run("tiny", str(tmp_path / "q.json"), 6, backend="hf", tokenizer=tok)
     with pytest.raises(ValueError, match="--leads holds no opening"):
         gen_prompts.run("tiny", str(tmp_path / "e.json"), 2, backend="hf", tokenizer=tok, leads=[" ", ""])
+
+
+def test_gen_dtype_reaches_vllm_and_is_kept_with_the_file(tmp_path, tok, monkeypatch):
+    """--gen-dtype: vLLM's engine samples in it, the questions file records it (a resume in another dtype is
+    refused), and transformers' backend, fp32 only, refuses bf16."""
+    import falcon_vllm.vllm.generate as generate_mod
+
+    made = []
+
+    class Engine:
+        def __init__(self, target_dir, max_model_len, max_num_seqs=128, dtype="float32"):
+            made.append(dtype)
+
+        def __call__(self, prompts, max_new_tokens, temperature=0.0, seeds=None):
+            return [tok.encode(f" question {s} about sorting lists", add_special_tokens=False) + [tok.eos_token_id]
+                    for s in seeds]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(generate_mod, "VLLMGenerator", Engine)
+    out = gen_prompts.run("tiny", str(tmp_path / "q.json"), 3, backend="vllm", tokenizer=tok, gen_dtype="bfloat16")
+    assert made == ["bfloat16"] and len(json.loads(out.read_text())) == 3
+    assert json.loads((tmp_path / "q.json.meta.json").read_text())["gen_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="other settings: gen_dtype 'bfloat16' \\(this run: None\\)"):
+        gen_prompts.run("tiny", str(tmp_path / "q.json"), 4, backend="vllm", tokenizer=tok)
+    with pytest.raises(ValueError, match="--gen-dtype bfloat16 needs --backend vllm"):
+        gen_prompts.run("tiny", str(tmp_path / "h.json"), 2, backend="hf", tokenizer=tok, gen_dtype="bfloat16")

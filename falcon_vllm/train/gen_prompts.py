@@ -74,10 +74,11 @@ def question(tokenizer, ids: list[int], eos_ids, min_tokens: int) -> str | None:
 
 def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, temperature: float = 1.0,
         seed: int = 0, min_tokens: int = 6, chunk: int = 512, backend: str = "vllm", model=None,
-        tokenizer=None, leads: list[str] | None = None) -> Path:
+        tokenizer=None, leads: list[str] | None = None, gen_dtype: str = "float32") -> Path:
     """Write ``num`` questions to ``out_path`` (ShareGPT JSON: ``[{"id", "conversations": [human, gpt]}]``, the
     gpt turn empty: gen-data regenerates it).  ``leads``: openings of the user turns, attempt i begins with
-    ``leads[i % len(leads)]`` (the question holds it).  Returns the path."""
+    ``leads[i % len(leads)]`` (the question holds it).  ``gen_dtype``: the dtype vLLM samples in (a question is
+    only a prompt: bf16 serves where the CPU has bf16 units).  Returns the path."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -103,12 +104,14 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
             "temperature": temperature, "seed": seed, "min_tokens": min_tokens}
     if leads:
         meta["leads"] = leads
+    if gen_dtype != "float32":
+        meta["gen_dtype"] = gen_dtype
     if rows:  # resume: the same settings, after the last attempt the file holds
         check_settings(out_path, meta_path, meta)
     meta_path.write_text(json.dumps(meta, indent=1))
     attempt = max((int(r["id"].rsplit("-", 1)[1]) + 1 for r in rows), default=0)
     seen = {normalize(r["conversations"][0]["value"]) for r in rows}
-    generate = sampler(backend, target_dir, model, tok, len(prefix) + max(map(len, lead_ids)) + max_tokens)
+    generate = sampler(backend, target_dir, model, tok, len(prefix) + max(map(len, lead_ids)) + max_tokens, gen_dtype)
     bar = tqdm(total=num, initial=min(len(rows), num), desc=f"gen-prompts ({backend})", unit="question")
     dropped = {"cut short or special": 0, "repeat": 0, "benchmark": 0}
     t0 = time.time()
@@ -161,13 +164,16 @@ def write_rows(out: Path, rows: list[dict]) -> None:
     os.replace(tmp, out)
 
 
-def sampler(backend: str, target_dir: str, model, tok, max_model_len: int):
+def sampler(backend: str, target_dir: str, model, tok, max_model_len: int, gen_dtype: str = "float32"):
     """The sampling function of ``backend``: ``(prompts, max_new_tokens, temperature=, seeds=) -> token lists``
-    (vLLM's in-process engine for sequences of up to ``max_model_len`` tokens, or HF ``generate``)."""
+    (vLLM's in-process engine for sequences of up to ``max_model_len`` tokens, in ``gen_dtype``, or HF
+    ``generate``, fp32 only)."""
     if backend == "vllm":
         from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
 
-        return VLLMGenerator(target_dir, max_model_len)
+        return VLLMGenerator(target_dir, max_model_len, dtype=gen_dtype)
+    if gen_dtype != "float32":
+        raise ValueError(f"falcon-vllm: gen-prompts: --gen-dtype {gen_dtype} needs --backend vllm")
     if backend == "hf":
         return hf_sampler(target_dir, model, tok)
     raise ValueError(f"falcon-vllm: gen-prompts: backend must be 'vllm' or 'hf', got {backend!r}")
@@ -211,6 +217,8 @@ def add_arguments(p):
     p.add_argument("--leads", default=None,
                    help="text file, one opening per line (e.g. 'Write a Python function'): attempt i's user turn "
                         "begins with the (i mod n)-th and the target writes the rest")
+    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the dtype vLLM samples the questions in (bf16 is faster on CPUs with bf16 units)")
 
 
 def main(args):
@@ -219,6 +227,6 @@ def main(args):
     target = args.target or str(model_path())
     leads = Path(args.leads).read_text().splitlines() if args.leads else None
     out = run(target, args.out, args.num, args.max_tokens, args.temperature, args.seed, args.min_tokens,
-              backend=args.backend, leads=leads)
+              backend=args.backend, leads=leads, gen_dtype=args.gen_dtype)
     print(f"wrote {out}; answer it with `falcon-vllm gen-data --data {out} --num-conversations 0 --out DIR`")
     return 0
