@@ -150,3 +150,45 @@ def test_gen_dtype_reaches_vllm_and_is_kept_with_the_file(tmp_path, tok, monkeyp
         gen_prompts.run("tiny", str(tmp_path / "q.json"), 4, backend="vllm", tokenizer=tok)
     with pytest.raises(ValueError, match="--gen-dtype bfloat16 needs --backend vllm"):
         gen_prompts.run("tiny", str(tmp_path / "h.json"), 2, backend="hf", tokenizer=tok, gen_dtype="bfloat16")
+
+
+def test_questions_that_spell_out_a_turn_are_dropped(tok):
+    """A question closed by the end-of-turn token is still dropped when it writes a special token as plain text (a
+    target sampling "<|im_start|>" with ordinary tokens) or holds a line that is a chat role alone (the target
+    answering inside the user turn); an ordinary question that mentions the assistant is kept."""
+    eos = {tok.eos_token_id}
+
+    def ask(text, tail=()):
+        ids = tok.encode(text, add_special_tokens=False) + list(tail) + [tok.eos_token_id]
+        return gen_prompts.question(tok, ids, eos, 6)
+
+    # "<|im_start|>" spelt with ordinary tokens (encoding the whole string would give the special token's id)
+    plain = [t for piece in ("<", "|", "im", "_", "start", "|", ">") for t in tok.encode(piece, add_special_tokens=False)]
+    assert tok.decode(plain) == "<|im_start|>" and not set(plain) & set(tok.all_special_ids)
+    assert ask("Write a SQL query to average a column.\n", plain * 3) is None
+    assert ask("Write a bash script that prints the disk usage.\n\nAssistant\n```bash\ndf -h\n```") is None
+    kept = "Write a Python function that returns what an assistant should say first."
+    assert ask(kept) == kept
+
+
+def test_added_special_tokens_count_as_special():
+    """A tokenizer whose turn-start token is an added special token outside ``all_special_ids`` (as Qwen2.5's
+    "<|im_start|>"): a question holding it, as its id or as text, is dropped."""
+    from types import SimpleNamespace
+
+    class Tok:
+        all_special_ids, all_special_tokens = [9], ["<eos>"]
+        added_tokens_decoder = {9: SimpleNamespace(content="<eos>", special=True),
+                                8: SimpleNamespace(content="<|im_start|>", special=True),
+                                7: SimpleNamespace(content="<tool>", special=False)}
+
+        def decode(self, ids):
+            words = {1: "Write", 2: "a", 3: "loop", 4: "<|im_start|>", 7: "<tool>", 8: "<|im_start|>"}
+            return " ".join(words[i] for i in ids)
+
+    tok = Tok()
+    assert gen_prompts.special_tokens(tok) == {9: "<eos>", 8: "<|im_start|>"}
+    assert gen_prompts.question(tok, [1, 2, 3, 9], {9}, 3) == "Write a loop"
+    assert gen_prompts.question(tok, [1, 2, 3, 8, 9], {9}, 3) is None   # the id
+    assert gen_prompts.question(tok, [1, 2, 3, 4, 9], {9}, 3) is None   # spelt out
+    assert gen_prompts.question(tok, [1, 2, 3, 7, 9], {9}, 3) == "Write a loop <tool>"  # added, not special

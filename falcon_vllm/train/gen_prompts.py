@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -59,17 +60,31 @@ def benchmark_texts() -> set[str]:
     return out
 
 
+ROLE_LINE = re.compile(r"^\s*(assistant|user|system)\s*:?\s*$", re.IGNORECASE | re.MULTILINE)
+
+
 def question(tokenizer, ids: list[int], eos_ids, min_tokens: int) -> str | None:
     """The question a sample holds, or None: cut short (no end-of-turn token), too short, or holding other
-    special tokens (a second turn begun inside it)."""
+    special tokens (a second turn begun inside it), as token ids or spelt out as text, or a line that is a chat
+    role alone (the target answering inside the user turn)."""
     if not ids or ids[-1] not in eos_ids:
         return None
     body = ids[:-1]
-    special = set(tokenizer.all_special_ids)  # a property that builds its list anew on each access
+    special = special_tokens(tokenizer)
     if len(body) < min_tokens or any(t in special for t in body):
         return None
     text = tokenizer.decode(body).strip()
+    if any(s in text for s in special.values()) or ROLE_LINE.search(text):
+        return None
     return text or None
+
+
+def special_tokens(tokenizer) -> dict[int, str]:
+    """id -> text of every special token: ``all_special_ids`` and the added tokens marked special (Qwen's
+    ``<|im_start|>`` is only the latter)."""
+    out = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    out.update(zip(tokenizer.all_special_ids, tokenizer.all_special_tokens))
+    return out
 
 
 def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, temperature: float = 1.0,
