@@ -1,4 +1,5 @@
-"""Which object is a runner's live Falcon proposer, for modules the proposer itself imports.
+"""Which object is a runner's live Falcon proposer, and which draft config is a Falcon drafter's, for modules
+the proposer itself imports and for the Model Runner V2 hook (no vLLM import).
 
 The runner hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.vllm.hooks`) ask whether a
 runner's ``drafter`` is a Falcon proposer running a Falcon drafter.  Proposer classes register here
@@ -16,6 +17,15 @@ def proposer_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES.append(cls)
     return cls
+
+
+def falcon_section(draft_model_config) -> dict | None:
+    """A copy of the draft config's Falcon section (``hf_config.falcon``, tagged by the plugin's config set-up), or
+    None: no draft model, or not a Falcon drafter."""
+    if draft_model_config is None:
+        return None
+    f = getattr(draft_model_config.hf_config, "falcon", None)
+    return dict(f) if isinstance(f, dict) else None
 
 
 def falcon_proposer(runner):

@@ -36,7 +36,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm import paged_kv, patches, prefix_gaps, tree_verify
 from falcon_vllm.vllm.drafting import FalconDrafting
-from falcon_vllm.vllm.live import falcon_proposer, proposer_class
+from falcon_vllm.vllm.live import falcon_proposer, falcon_section, proposer_class
 from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.options import check_async_scheduling, check_cudagraph_mode
 from falcon_vllm.vllm.paged_kv import tree_attention_scope
@@ -44,13 +44,6 @@ from falcon_vllm.vllm.tree_draft import TreeState
 
 __all__ = ["FalconProposer", "falcon_proposer", "falcon_section", "unwrap_model"]
 logger = init_logger(__name__)
-
-
-def falcon_section(draft_model_config) -> dict | None:
-    if draft_model_config is None:
-        return None
-    f = getattr(draft_model_config.hf_config, "falcon", None)
-    return dict(f) if isinstance(f, dict) else None
 
 
 def unwrap_model(model):

@@ -48,18 +48,12 @@ def register() -> None:
     register_speculative_method(METHOD, FalconSpeculatorConfig)
 
 
-def is_falcon(vllm_config) -> bool:
-    """Whether the config's drafter is a Falcon drafter set up by the plugin (its ``hf_config.falcon``)."""
-    spec = vllm_config.speculative_config
-    draft = getattr(spec, "draft_model_config", None)
-    return isinstance(getattr(getattr(draft, "hf_config", None), "falcon", None), dict)
-
-
 def install_runner_hook() -> bool:
     """vLLM 0.32/0.33's Model Runner V2: build :class:`FalconSpeculator` for a Falcon drafter where the runner builds
     its speculator (``init_speculator``), vLLM's own otherwise.  True when installed now; False where vLLM has no
     V2 speculators, registers them (0.34: :func:`register`), or the hook is already in."""
     from falcon_vllm.vllm import patches
+    from falcon_vllm.vllm.live import falcon_section
 
     try:
         spec_decode = patches.resolve(SPEC_DECODE)
@@ -70,7 +64,7 @@ def install_runner_hook() -> bool:
 
     def make(orig):
         def init_speculator(vllm_config, device, req_states, *args, **kwargs):
-            if not is_falcon(vllm_config):
+            if falcon_section(getattr(vllm_config.speculative_config, "draft_model_config", None)) is None:
                 return orig(vllm_config, device, req_states, *args, **kwargs)
             from falcon_vllm.vllm.v2.speculator import FalconSpeculator
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from falcon_vllm.vllm.options import ragged_drafts
 
+
 def check_v2(falcon: dict) -> None:
     """Refuse what the V2 speculator does not do yet; ``falcon`` is a resolved Falcon config (the drafter's
     ``hf_config.falcon``: :func:`~falcon_vllm.vllm.options.resolve_falcon_config`'s info over the checkpoint's

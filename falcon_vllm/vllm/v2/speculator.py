@@ -53,6 +53,7 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import Target
 from vllm.v1.worker.utils import AttentionGroup
 
 from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
+from falcon_vllm.vllm.live import falcon_section
 from falcon_vllm.vllm.model import wrap_gemms
 
 
@@ -78,8 +79,8 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         super().__init__(vllm_config, device)
-        falcon = getattr(self.draft_model_config.hf_config, "falcon", None)
-        if not isinstance(falcon, dict) or "k" not in falcon:
+        falcon = falcon_section(self.draft_model_config)
+        if falcon is None or "k" not in falcon:
             raise ValueError("falcon-vllm: the draft model has no Falcon section (hf_config.falcon): method "
                              "'falcon' needs a Falcon drafter, set up by FalconSpeculatorConfig")
         self.init_drafting(falcon)
