@@ -154,7 +154,7 @@ def test_gen_dtype_reaches_vllm_and_is_kept_with_the_file(tmp_path, tok, monkeyp
 
 def test_questions_that_spell_out_a_turn_are_dropped(tok):
     """A question closed by the end-of-turn token is still dropped when it writes a special token as plain text (a
-    target sampling "<|im_start|>" with ordinary tokens) or holds a line that is a chat role alone (the target
+    target sampling "<|im_start|>" with ordinary tokens) or holds a line that opens a chat turn (the target
     answering inside the user turn); an ordinary question that mentions the assistant is kept."""
     eos = {tok.eos_token_id}
 
@@ -167,7 +167,12 @@ def test_questions_that_spell_out_a_turn_are_dropped(tok):
     assert tok.decode(plain) == "<|im_start|>" and not set(plain) & set(tok.all_special_ids)
     assert ask("Write a SQL query to average a column.\n", plain * 3) is None
     assert ask("Write a bash script that prints the disk usage.\n\nAssistant\n```bash\ndf -h\n```") is None
+    assert ask("What is the time complexity of insertion sort?\n\nAssistant: It is O(n^2).") is None
+    assert ask("Write a SQL query that lists every user.\n\nAssistant```sql\nSELECT * FROM users;\n```") is None
+    assert ask("Write a SQL query that lists every user.\n\n  user : SELECT * FROM users;") is None
     kept = "Write a Python function that returns what an assistant should say first."
+    assert ask(kept) == kept
+    kept = "Explain this log line:\nuser_id: 42 logged in; assistant mode enabled."
     assert ask(kept) == kept
 
 
@@ -192,3 +197,18 @@ def test_added_special_tokens_count_as_special():
     assert gen_prompts.question(tok, [1, 2, 3, 8, 9], {9}, 3) is None   # the id
     assert gen_prompts.question(tok, [1, 2, 3, 4, 9], {9}, 3) is None   # spelt out
     assert gen_prompts.question(tok, [1, 2, 3, 7, 9], {9}, 3) == "Write a loop <tool>"  # added, not special
+
+
+def test_cli_passes_chunk(monkeypatch, tmp_path):
+    """`--chunk` reaches run() (the unit of work a slow target loses to an interruption); below 1 is refused."""
+    import argparse
+
+    seen = {}
+    monkeypatch.setattr(gen_prompts, "run", lambda *a, **kw: seen.update(kw) or tmp_path / "q.json")
+    p = argparse.ArgumentParser()
+    gen_prompts.add_arguments(p)
+    assert gen_prompts.main(p.parse_args(["--target", "t", "--out", "q.json", "--chunk", "64"])) == 0
+    assert seen["chunk"] == 64
+    assert p.parse_args(["--out", "q.json"]).chunk == 512
+    with pytest.raises(SystemExit, match="--chunk must be >= 1"):
+        gen_prompts.main(p.parse_args(["--target", "t", "--out", "q.json", "--chunk", "0"]))

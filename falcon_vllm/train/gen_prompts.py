@@ -60,13 +60,15 @@ def benchmark_texts() -> set[str]:
     return out
 
 
-ROLE_LINE = re.compile(r"^\s*(assistant|user|system)\s*:?\s*$", re.IGNORECASE | re.MULTILINE)
+# a line that opens a chat turn: a role word alone, or followed by ":" or a code fence ("Assistant: ...",
+# "Assistant```sql")
+ROLE_LINE = re.compile(r"^\s*(assistant|user|system)\s*(:|```|$)", re.IGNORECASE | re.MULTILINE)
 
 
 def question(tokenizer, ids: list[int], eos_ids, min_tokens: int) -> str | None:
     """The question a sample holds, or None: cut short (no end-of-turn token), too short, or holding other
-    special tokens (a second turn begun inside it), as token ids or spelt out as text, or a line that is a chat
-    role alone (the target answering inside the user turn)."""
+    special tokens (a second turn begun inside it), as token ids or spelt out as text, or a line that opens a chat
+    turn (a role word alone or followed by ":" or a code fence: the target answering inside the user turn)."""
     if not ids or ids[-1] not in eos_ids:
         return None
     body = ids[:-1]
@@ -234,6 +236,9 @@ def add_arguments(p):
                         "begins with the (i mod n)-th and the target writes the rest")
     p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the dtype vLLM samples the questions in (bf16 is faster on CPUs with bf16 units)")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="attempts per engine call; the file is written after each (the unit an interruption "
+                        "loses: smaller for a slow target)")
 
 
 def main(args):
@@ -241,7 +246,9 @@ def main(args):
 
     target = args.target or str(model_path())
     leads = Path(args.leads).read_text().splitlines() if args.leads else None
+    if args.chunk < 1:
+        raise SystemExit(f"falcon-vllm: gen-prompts: --chunk must be >= 1, got {args.chunk}")
     out = run(target, args.out, args.num, args.max_tokens, args.temperature, args.seed, args.min_tokens,
-              backend=args.backend, leads=leads, gen_dtype=args.gen_dtype)
+              chunk=args.chunk, backend=args.backend, leads=leads, gen_dtype=args.gen_dtype)
     print(f"wrote {out}; answer it with `falcon-vllm gen-data --data {out} --num-conversations 0 --out DIR`")
     return 0
