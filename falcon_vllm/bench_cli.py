@@ -26,7 +26,8 @@ examples:
   falcon-vllm bench --configs vanilla,falcon,chain:2,eagle:2 --drafter <dir>
 
 configurations: vanilla, falcon (the drafter's serving.json), chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>],
-eagle[:K], ngram[:K]; <config>%key=value adds a speculative-config key, <config>@<dir> names another drafter.
+eagle[:K], ngram[:K], draft[:K] (vLLM's draft-model proposer; default model Qwen2.5-Coder-0.5B-Instruct);
+<config>%key=value adds a speculative-config key, <config>@<dir> names another drafter (or draft model).
 """
 
 

@@ -105,10 +105,10 @@ def exact_drafter(target, k: int = 2, num_layers: int = 1) -> FalconDrafter:
 
 
 def random_drafter(target, k: int = 2, fusion: str = "lstm", num_layers: int = 1, seed: int = 1,
-                   block_order: str = "forward", level_embedding: bool = False) -> FalconDrafter:
+                   block_order: str = "forward", level_embedding: bool = False, **overrides) -> FalconDrafter:
     torch.manual_seed(seed)
     cfg = FalconConfig.from_target(target.config, k=k, fusion=fusion, num_layers=num_layers, block_order=block_order,
-                                   level_embedding=level_embedding)
+                                   level_embedding=level_embedding, **overrides)
     d = FalconDrafter(cfg)
     with torch.no_grad():
         for name, p in d.named_parameters():

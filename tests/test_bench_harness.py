@@ -40,11 +40,24 @@ D = "/d/falcon"
     ("eagle:3", {"method": "eagle", "model": "/d/eagle", "num_speculative_tokens": 3}),
     ("ngram", {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
     ("chain:2@/other", {"method": "falcon", "model": "/other", "num_speculative_tokens": 2}),
+    ("draft:4@/small", {"method": "draft_model", "model": "/small", "num_speculative_tokens": 4}),
     ("falcon%draft_gemm_dtype=model%datastore=false",
      {"method": "falcon", "model": D, "draft_gemm_dtype": "model", "datastore": False}),
 ])
 def test_configuration_names(cfg, spec):
     assert engines.spec_for(cfg, D, 2, "/d/eagle") == spec
+
+
+def test_draft_model_defaults_to_the_qwen_pair(monkeypatch):
+    """draft[:K] without @<dir>: the converted Qwen2.5-Coder-0.5B-Instruct (looked up only when named)."""
+    import falcon_vllm.models
+
+    asked = []
+    monkeypatch.setattr(falcon_vllm.models, "model_path", lambda name: asked.append(name) or f"/m/{name}")
+    assert engines.spec_for("draft", D, 3) == {"method": "draft_model", "model": "/m/qwen2.5-coder-0.5b-instruct",
+                                               "num_speculative_tokens": 3}
+    engines.spec_for("chain", D, 3)
+    assert asked == ["qwen2.5-coder-0.5b-instruct"]
 
 
 @pytest.mark.parametrize("cfg, error", [

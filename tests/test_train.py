@@ -254,10 +254,12 @@ def test_init_from_continues_a_trained_drafter(tmp_path, target, data):
 
 
 def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
-    train(TrainConfig(str(tmp_path / "e"), mode="eagle", epochs=1, batch_size=8, eval_every_epoch=False),
-          samples=data, target=target, log=lambda *a: None)
+    """... with an MLP narrower than the target's (--intermediate-size), kept by both layouts."""
+    train(TrainConfig(str(tmp_path / "e"), mode="eagle", epochs=1, batch_size=8, eval_every_epoch=False,
+                      intermediate_size=48), samples=data, target=target, log=lambda *a: None)
     cfg = json.loads((tmp_path / "e" / "vllm-eagle" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "falcon" not in cfg
+    assert cfg["intermediate_size"] == 48 != target.config.intermediate_size
     from safetensors.torch import load_file
     keys = set(load_file(str(tmp_path / "e" / "vllm-eagle" / "model.safetensors")))
     assert "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
@@ -265,7 +267,7 @@ def test_eagle_mode_exports_vllm_layout(tmp_path, target, data):
     # the export loads back (reference engine) as the k=1 fc drafter it came from, same weights
     src = FalconDrafter.from_pretrained(str(tmp_path / "e"), target.config)
     back = FalconDrafter.from_vllm_eagle(str(tmp_path / "e" / "vllm-eagle"), target.config)
-    assert (back.config.k, back.config.fusion) == (1, "fc")
+    assert (back.config.k, back.config.fusion, back.config.intermediate_size) == (1, "fc", 48)
     assert all(torch.equal(v, back.state_dict()[n]) for n, v in src.state_dict().items())
     with pytest.raises(ValueError, match="Falcon-format"):
         FalconDrafter.from_vllm_eagle(str(tmp_path / "e"), target.config)

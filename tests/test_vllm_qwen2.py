@@ -1,5 +1,5 @@
-"""falcon in vLLM on a Qwen2-shaped target (q/k/v biases, tied embeddings, rope theta 1e6), as Qwen2.5 is: chain
-and tree mode give vanilla's greedy tokens, and their drafts equal the reference engine's (CPU, eager, fp32)."""
+"""falcon in vLLM on a Qwen2-shaped target (q/k/v biases, tied embeddings, rope theta 1e6), as Qwen2.5 is, with a
+drafter whose MLP is narrower than the target's: chain and tree mode give vanilla's greedy tokens, and their drafts equal the reference engine's (CPU, eager, fp32)."""
 
 import pytest
 import torch
@@ -20,7 +20,9 @@ def ckpts(tmp_path_factory):
     assert target.config.tie_word_embeddings and target.lm_head.weight is target.model.embed_tokens.weight
     assert float(target.model.layers[0].self_attn.q_proj.bias.detach().abs().sum()) > 0
     save_target(target, str(base / "target"))
-    drafter = random_drafter(target, k=2, fusion="lstm", seed=3)
+    # an MLP narrower than the target's (what keeps a drafter for a wide target small)
+    drafter = random_drafter(target, k=2, fusion="lstm", seed=3, intermediate_size=96)
+    assert drafter.config.intermediate_size == 96 != target.config.intermediate_size
     assert drafter.config.attention_bias and drafter.config.model_type == "qwen2"
     assert drafter.config.rope_theta == 1e6
     drafter.save_pretrained(str(base / "drafter"))

@@ -12,6 +12,8 @@ Configuration names (``spec_for``)::
     lookup[:K[:F[:L[:N]]]]       prompt lookup of up to K tokens first, Falcon's chain of F otherwise
     tree[:<tree>]                Falcon's tree mode (a preset name or a tune-tree file)
     eagle[:K], ngram[:K]         vLLM's own EAGLE and n-gram proposers
+    draft[:K]                    vLLM's draft-model proposer (a small model of the target's family; name it with
+                                 @<dir>, default: Qwen2.5-Coder-0.5B-Instruct, converted by `make models-qwen`)
     <cfg>%key=value              one more speculative-config key (JSON value), e.g. falcon%draft_gemm_dtype=model
     <cfg>@<dir>                  another drafter, e.g. chain:2@runs/falcon-2layers
     <cfg>^attr=value             (build_engines) an attribute of the Falcon proposer, set before each generation
@@ -35,13 +37,21 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-CONFIG_NAMES = "vanilla, falcon, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K], ngram[:K]"
+CONFIG_NAMES = ("vanilla, falcon, chain[:K], lookup[:K[:F[:L[:N]]]], tree[:<tree>], eagle[:K], ngram[:K], "
+                "draft[:K]")
+DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # draft[:K]'s default model
 
 
-def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE):
+def _spec(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | None = DEFAULT_EAGLE,
+          draft_model: str | None = None):
     kind, _, arg = cfg.partition(":")
     if kind == "vanilla":
         return None
+    if kind == "draft":  # vLLM's draft-model proposer
+        if draft_model is None:
+            from falcon_vllm.models import model_path
+            draft_model = str(model_path(DRAFT_MODEL))
+        return {"method": "draft_model", "model": draft_model, "num_speculative_tokens": int(arg or num_spec_tokens)}
     if kind == "falcon":  # the drafter's own recommendation (its serving.json)
         return {"method": "falcon", "model": drafter}
     if kind == "ngram":  # vLLM's n-gram proposer
@@ -88,7 +98,7 @@ def spec_for(cfg: str, drafter: str, num_spec_tokens: int, eagle_drafter: str | 
     cfg, _, other = cfg.partition("@")  # chain:2@<dir>: another drafter than --drafter / --eagle-drafter
     if other:
         drafter = eagle_drafter = other
-    spec = _spec(cfg, drafter, num_spec_tokens, eagle_drafter)
+    spec = _spec(cfg, drafter, num_spec_tokens, eagle_drafter, other or None)
     if extra and spec is None:
         raise SystemExit(f"falcon-vllm: vanilla takes no speculative-config options ({opts})")
     return spec if not extra else {**spec, **extra}

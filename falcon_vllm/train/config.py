@@ -60,6 +60,8 @@ class TrainConfig:
     k: int = option(2, "tokens per drafter block")
     fusion: str = option("lstm", "fusion of token embedding and feature", choices=("lstm", "fc"))
     layers: int = option(1, "drafter decoder layers")
+    intermediate_size: int | None = option(None, "MLP width of the drafter's decoder layers (default: the target's; "
+                                           "narrower keeps a drafter for a wide target small)")
     epochs: int = option(3, "passes over the training conversations")
     batch_size: int = option(8, "conversations per step (per process)")
     lr: float = option(1e-3, "AdamW peak learning rate (5% warm-up, then linear decay)")
