@@ -7,6 +7,7 @@ import torch
 from tests.vllm_util import EngineCache, drafter_of, greedy, reference_drafts, save_target
 
 from falcon_vllm.testing import random_drafter, tiny_llama, truncate_head
+from falcon_vllm.train.trainer import export_vllm_eagle
 
 V = 49152
 PROMPTS = [[11, 12, 13], list(range(200, 237)), list(range(1000, 1020))]
@@ -29,6 +30,10 @@ def ckpts(tmp_path_factory):
     # a truncated head frozen at the tied target's rows: its checkpoint holds the d2t map, not the rows
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:4096]
     truncate_head(drafter, target, ids, frozen=True).save_pretrained(str(base / "frozen"))
+    # the EAGLE-1 baseline as train --mode eagle exports it (k=1 fc, frozen truncated head, vLLM's EAGLE layout)
+    eagle = truncate_head(random_drafter(target, k=1, fusion="fc", seed=5, intermediate_size=96), target, ids,
+                          frozen=True)
+    export_vllm_eagle(eagle, str(base / "eagle"))
     return {"dir": base, "target": target, "drafter": drafter, "frozen_ids": ids.sort().values}
 
 
@@ -40,7 +45,9 @@ def engines(ckpts):
                      "chain": (str(base / "target"), spec(num_speculative_tokens=4), {}),
                      "tree": (str(base / "target"), spec(tree="falcon-llama"), {}),
                      "frozen": (str(base / "target"), {"method": "falcon", "model": str(base / "frozen"),
-                                                        "num_speculative_tokens": 4}, {})})
+                                                        "num_speculative_tokens": 4}, {}),
+                     "eagle": (str(base / "target"), {"method": "eagle", "model": str(base / "eagle"),
+                                                       "num_speculative_tokens": 3}, {})})
     yield e
     e.close()
 
@@ -100,3 +107,11 @@ def test_a_frozen_head_is_stored_as_its_d2t_map_and_read_from_the_target(ckpts):
     assert torch.equal(d.draft_ids, ids)
     d.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     assert torch.equal(d.lm_head.weight, rows) and not d.lm_head.weight.requires_grad
+
+
+def test_eagle_baseline_on_a_qwen2_target(engines):
+    """vLLM's EAGLE-1 proposer serving the exported baseline (its one layer indexed past the target's layers,
+    whose layer_types it shares): vanilla's greedy tokens."""
+    want, _ = greedy(engines.get("vanilla"), PROMPTS, n=N)
+    got, _ = greedy(engines.get("eagle"), PROMPTS, n=N)
+    assert got == want

@@ -320,6 +320,10 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
     the EAGLE baseline is compared at equal drafter cost.  Served by vLLM's stock EAGLE proposer."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        # vLLM names the layers after the target's (layers.{target layers + i}); a config with per-layer types
+        # (Qwen2's layer_types) is indexed from the drafter's first layer, as in FalconDraftModel
+        vllm_config.speculative_config.draft_model_config.hf_config.target_layer_count = \
+            vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._init_head(prefix, vllm_config.model_config.dtype, vllm_config.model_config.model)
         use_cpu_norm_kernels(self)
