@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from harness.engines import build_engines, command_line, compile_words  # noqa: E402  (sets the environment)
 from harness.machine import cpu_name  # noqa: E402
-from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS  # noqa: E402
+from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, portable_text  # noqa: E402
 from harness.report import write_report  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def run(args) -> list[dict]:
             ratios = [b / s for s, b in zip(secs[c], secs[base])]  # speedup of c over the baseline, per pair
             tokens = sum(len(t) for batch_out in outs[c] for t in batch_out)
             rows.append({
-                "config": c, "batch_size": B, "pairs": args.pairs,
+                "config": portable_text(c), "batch_size": B, "pairs": args.pairs,
                 "median_s": statistics.median(secs[c]),
                 "tokens_per_s": tokens / sum(secs[c]),
                 "tokens_per_generation": tokens / (args.pairs * B),

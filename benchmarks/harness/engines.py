@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 
-from harness.paths import DEFAULT_EAGLE, ROOT
+from harness.paths import DEFAULT_EAGLE, ROOT, portable_text
 
 # the environment that changes what is measured, as the caller set it (vLLM's CPU platform later adds its own
 # libraries to LD_PRELOAD for the processes it starts): it goes into the results' command
@@ -194,5 +194,5 @@ def compile_words(compile_arg: str) -> str:
 
 def command_line(script: str) -> str:
     """This run's command as the results record it: the caller's measured environment, repository-relative paths."""
-    env = "".join(f"{k}={shlex.quote(v.replace(ROOT + os.sep, ''))} " for k, v in CALLER_ENV.items())
-    return env + f"python benchmarks/{script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    env = "".join(f"{k}={shlex.quote(portable_text(v))} " for k, v in CALLER_ENV.items())
+    return env + f"python benchmarks/{script} " + " ".join(shlex.quote(portable_text(a)) for a in sys.argv[1:])

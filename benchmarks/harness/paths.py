@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 ROOT = os.path.dirname(BENCH)  # the repository
@@ -19,3 +20,12 @@ def portable(value):
             return os.path.relpath(value, ROOT)
         return os.path.basename(value.rstrip("/"))
     return value
+
+
+ABS_PATH = re.compile(r"(?<![\w./])/[^\s,:@'\"=]+")  # an absolute path inside a command or configuration label
+
+
+def portable_text(text: str) -> str:
+    """``text`` (a command, a configuration label such as ``tree:/abs/tree.json``) with each absolute path made
+    :func:`portable`."""
+    return ABS_PATH.sub(lambda m: portable(m.group(0)), text)
