@@ -193,10 +193,11 @@ def test_results_name_no_machine_path(monkeypatch):
     """A recorded command and a configuration label keep repository paths relative and cut any other absolute path
     to its last component (tree:/somewhere/tree.json -> tree:tree.json)."""
     inside = os.path.join(paths.ROOT, "benchmarks", "t.json")
-    assert paths.portable_text(f"tree:/opt/runs/qwen-tree.json") == "tree:qwen-tree.json"
-    assert paths.portable_text(f"chain:2@/opt/runs/d%k=1") == "chain:2@d%k=1"
+    assert paths.portable_text("tree:/opt/runs/qwen-tree.json") == "tree:qwen-tree.json"
+    assert paths.portable_text("chain:2@/opt/runs/d%k=1") == "chain:2@d%k=1"
     assert paths.portable_text(f"tree:{inside}") == "tree:benchmarks/t.json"
     assert paths.portable_text("vanilla,chain:2") == "vanilla,chain:2"
-    monkeypatch.setattr(sys, "argv", ["ab_step.py", "--model", "/opt/models/q-float32", f"--configs=vanilla,tree:{inside}"])
+    monkeypatch.setattr(sys, "argv",
+                        ["ab_step.py", "--model", "/opt/models/q-float32", f"--configs=vanilla,tree:{inside}"])
     assert engines.command_line("ab_step.py") == (
         "python benchmarks/ab_step.py --model q-float32 --configs=vanilla,tree:benchmarks/t.json")

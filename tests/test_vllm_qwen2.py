@@ -1,5 +1,6 @@
 """falcon in vLLM on a Qwen2-shaped target (q/k/v biases, tied embeddings, rope theta 1e6), as Qwen2.5 is, with a
-drafter whose MLP is narrower than the target's: chain and tree mode give vanilla's greedy tokens, and their drafts equal the reference engine's (CPU, eager, fp32)."""
+drafter whose MLP is narrower than the target's: chain and tree mode give vanilla's greedy tokens, and their drafts
+equal the reference engine's (CPU, eager, fp32)."""
 
 import pytest
 import torch

@@ -185,7 +185,7 @@ def build_drafter(cfg: TrainConfig, target, train_set: list, device: str) -> tup
     dcfg = FalconConfig.from_target(target.config, k=cfg.k, fusion=cfg.fusion, num_layers=cfg.layers, tree=cfg.tree,
                                     draft_vocab_size=cfg.draft_vocab, block_order=cfg.block_order,
                                     level_embedding=cfg.level_embedding, aux_layers=tuple(cfg.aux_layers),
-                                    **({"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}))
+                                    intermediate_size=cfg.intermediate_size or target.config.intermediate_size)
     # a head kept at the target's rows is not stored: only its d2t map (the rows are the target's at load time)
     dcfg.frozen_head = bool(dcfg.draft_vocab_size and not cfg.train_draft_head)
     drafter = FalconDrafter(dcfg).to(device)

@@ -187,6 +187,13 @@ def _compiles(vllm_config: VllmConfig) -> bool:
     return current_platform.is_cpu() and falcon.get("fusion", "lstm") == "fc" and not falcon.get("level_embedding")
 
 
+def index_layers_from_drafter(config, target_layers: int) -> None:
+    """A drafter's layers are named after the target's (``layers.{target_layers + i}``); a config with per-layer
+    types (Qwen2's ``layer_types``) must be indexed from the drafter's first layer, as vLLM's EAGLE-3 drafters
+    are: vLLM's Llama attention subtracts ``target_layer_count``."""
+    config.target_layer_count = target_layers
+
+
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0}, enable_if=_compiles)
 class FalconDraftModel(nn.Module):
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
@@ -200,9 +207,7 @@ class FalconDraftModel(nn.Module):
         falcon = dict(getattr(self.config, "falcon", {}) or {})
         H = self.config.hidden_size
         self.fusion = falcon.get("fusion", "lstm")
-        # the layers are named after the target's (layers.{start_layer_id + i}); a config with per-layer types
-        # (Qwen2's layer_types) is indexed from the drafter's first layer, as vLLM's EAGLE-3 drafters do
-        self.config.target_layer_count = start_layer_id
+        index_layers_from_drafter(self.config, start_layer_id)
         self.embed_tokens = VocabParallelEmbedding(self.config.vocab_size, H,
                                                    prefix=maybe_prefix(prefix, "embed_tokens"))
         self.layers = nn.ModuleList(
@@ -320,10 +325,8 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
     the EAGLE baseline is compared at equal drafter cost.  Served by vLLM's stock EAGLE proposer."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        # vLLM names the layers after the target's (layers.{target layers + i}); a config with per-layer types
-        # (Qwen2's layer_types) is indexed from the drafter's first layer, as in FalconDraftModel
-        vllm_config.speculative_config.draft_model_config.hf_config.target_layer_count = \
-            vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        index_layers_from_drafter(vllm_config.speculative_config.draft_model_config.hf_config,
+                                  vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._init_head(prefix, vllm_config.model_config.dtype, vllm_config.model_config.model)
         use_cpu_norm_kernels(self)
