@@ -45,7 +45,7 @@ from collections import defaultdict
 
 from harness.engines import spec_for  # sets the environment: in-process engine, offline
 from harness.machine import cpu_name
-from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, ROOT
+from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, ROOT, portable_text
 from harness.timing import Timers
 
 COMPONENTS = ("step", "target forward", "attention", "tree attention", "lm head", "sampler", "compaction",
@@ -91,13 +91,8 @@ def run_worker(args) -> list[dict]:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
         orig_attn = timers.wrap(CPUAttentionBackendImpl, "forward", "attention", when=lambda: in_target["n"] > 0)
         restore = [(CPUAttentionBackendImpl, "forward", orig_attn)]
-        try:
-            from falcon_vllm.vllm import tree_verify
-            restore.append((tree_verify.VerifyTreeAttention, "attend",
-                            timers.wrap(tree_verify.VerifyTreeAttention, "attend", "tree attention")))
-            restore.append((tree_verify, "_compact", timers.wrap(tree_verify, "_compact", "compaction")))
-        except ImportError:
-            pass
+        for owner, attr, component in tree_timed():
+            restore.append((owner, attr, timers.wrap(owner, attr, component)))
         timers.wrap(llm.llm_engine, "step", "step")
         for B in args.batch_sizes:
             batch = [{"prompt_token_ids": p} for p in prompts[:B]]
@@ -116,7 +111,7 @@ def run_worker(args) -> list[dict]:
             steps = max(1, timers.calls["step"])
             ms = {c: 1e3 * timers.total.get(c, 0.0) / steps for c in COMPONENTS if c != "bookkeeping"}
             ms["bookkeeping"] = ms["step"] - ms["target forward"] - ms["lm head"] - ms["sampler"] - ms["drafting"]
-            rows.append({"config": cfg, "batch_size": B, "steps": steps, "generated_tokens": toks,
+            rows.append({"config": portable_text(cfg), "batch_size": B, "steps": steps, "generated_tokens": toks,
                          "tokens_per_step": toks / steps, "tokens_per_s": toks / wall, "ms_per_step": ms,
                          "share": {c: ms[c] / ms["step"] for c in COMPONENTS},
                          "calls_per_step": {c: timers.calls[c] / steps for c in timers.calls}})
@@ -146,6 +141,14 @@ def _worker_cmd(args, configs, out):
     if args.model:
         cmd += ["--model", args.model]
     return cmd
+
+
+def tree_timed() -> list[tuple]:
+    """(owner, attribute, component) of tree mode's timed functions (the sampler's compaction calls the
+    module-level ``compact``)."""
+    from falcon_vllm.vllm import tree_verify
+
+    return [(tree_verify.VerifyTreeAttention, "attend", "tree attention"), (tree_verify, "compact", "compaction")]
 
 
 def run_driver(args) -> list[dict]:
@@ -262,7 +265,8 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f)
         return 0
-    args.command = "python benchmarks/profile_step.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    args.command = "python benchmarks/profile_step.py " + " ".join(shlex.quote(portable_text(x))
+                                                                   for x in (argv or sys.argv[1:]))
     print(_write(args, run_driver(args)))
     return 0
 

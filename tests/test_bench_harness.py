@@ -201,3 +201,12 @@ def test_results_name_no_machine_path(monkeypatch):
                         ["ab_step.py", "--model", "/opt/models/q-float32", f"--configs=vanilla,tree:{inside}"])
     assert engines.command_line("ab_step.py") == (
         "python benchmarks/ab_step.py --model q-float32 --configs=vanilla,tree:benchmarks/t.json")
+
+
+def test_profile_step_times_functions_that_exist():
+    """profile_step wraps tree mode's functions by name: a rename must fail here, not in a long profiling run."""
+    import profile_step
+
+    for owner, attr, component in profile_step.tree_timed():
+        assert callable(getattr(owner, attr)), (owner, attr)
+        assert component in profile_step.COMPONENTS
