@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from harness.engines import build_engines, command_line, compile_words  # noqa: E402  (sets the environment)
 from harness.machine import cpu_name  # noqa: E402
-from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, portable_text  # noqa: E402
+from harness.paths import RESULTS, drafters_for, portable_text  # noqa: E402
 from harness.report import write_report  # noqa: E402
 
 
@@ -171,8 +171,9 @@ def main(argv=None, prog: str | None = None, description: str | None = None, def
                    help="0: greedy (outputs checked token for token); above 0: sampled, EOS ignored")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature above 0")
     p.add_argument("--num-spec-tokens", type=int, default=2, help="K of `chain` / `ngram` without one")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER)
-    p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE,
+    p.add_argument("--drafter", default=None,
+                   help="Falcon drafter (default: the one shipped for --model, as \"model\": \"falcon\" finds it)")
+    p.add_argument("--eagle-drafter", default=None,
                    help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--compile", nargs="?", const="all", default="", metavar="LABELS",
@@ -186,6 +187,7 @@ def main(argv=None, prog: str | None = None, description: str | None = None, def
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.drafter, args.eagle_drafter = drafters_for(args.model, args.drafter, args.eagle_drafter)
     if args.turn < 0:
         raise SystemExit("falcon-vllm: --turn takes a turn number (1, 2, ...) or 0 for every turn")
     if args.temperature < 0 or not 0 < args.top_p <= 1:

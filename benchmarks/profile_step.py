@@ -45,7 +45,7 @@ from collections import defaultdict
 
 from harness.engines import spec_for  # sets the environment: in-process engine, offline
 from harness.machine import cpu_name
-from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, RESULTS, ROOT, portable_text
+from harness.paths import RESULTS, ROOT, drafters_for, portable_text
 from harness.timing import Timers
 
 COMPONENTS = ("step", "target forward", "attention", "tree attention", "lm head", "sampler", "compaction",
@@ -241,8 +241,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="driver: repetitions of the whole schedule (median)")
     p.add_argument("--num-spec-tokens", type=int, default=4, help="chain length K of `chain`")
     p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER)
-    p.add_argument("--eagle-drafter", default=DEFAULT_EAGLE, help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
+    p.add_argument("--drafter", default=None,
+                   help="Falcon drafter (default: the one shipped for --model, as \"model\": \"falcon\" finds it)")
+    p.add_argument("--eagle-drafter", default=None, help="EAGLE drafter (vLLM's layout) of `eagle[:K]`")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct, converted)")
     p.add_argument("--compile", action="store_true",
                    help="vLLM's default torch.compile mode (as `vllm serve` runs) instead of eager")
@@ -253,6 +254,7 @@ def parse_args(argv=None):
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.drafter, a.eagle_drafter = drafters_for(a.model, a.drafter, a.eagle_drafter)
     a.configs = [c for c in a.configs.split(",") if c]
     a.batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
     return a

@@ -210,3 +210,23 @@ def test_profile_step_times_functions_that_exist():
     for owner, attr, component in profile_step.tree_timed():
         assert callable(getattr(owner, attr)), (owner, attr)
         assert component in profile_step.COMPONENTS
+
+
+def test_benchmarks_default_to_the_drafter_shipped_for_the_model(tmp_path):
+    """--model without --drafter: the drafter shipped for that target (and its -eagle sibling); a target with none
+    keeps SmolLM2's pair, so runs without a drafter still start and the others fail on the plugin's error."""
+    from transformers import LlamaConfig
+
+    from falcon_vllm.config import FalconConfig
+    from harness.paths import DEFAULT_DRAFTER, DEFAULT_EAGLE, drafters_for
+
+    assert drafters_for(None, None, None) == (DEFAULT_DRAFTER, DEFAULT_EAGLE)
+    assert drafters_for(None, "d", "e") == ("d", "e")
+    t = FalconConfig.load(DEFAULT_DRAFTER).target
+    LlamaConfig(hidden_size=t["hidden_size"], vocab_size=t["vocab_size"], num_hidden_layers=t["num_hidden_layers"],
+                num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536).save_pretrained(tmp_path / "s")
+    assert drafters_for(str(tmp_path / "s"), None, None) == (DEFAULT_DRAFTER, DEFAULT_EAGLE)
+    assert drafters_for(str(tmp_path / "s"), "mine", None) == ("mine", DEFAULT_EAGLE)
+    LlamaConfig(hidden_size=64, vocab_size=128, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=128).save_pretrained(tmp_path / "other")
+    assert drafters_for(str(tmp_path / "other"), None, None) == (DEFAULT_DRAFTER, DEFAULT_EAGLE)

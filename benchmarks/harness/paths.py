@@ -12,6 +12,25 @@ DEFAULT_DRAFTER = os.path.join(ROOT, "falcon_vllm", "drafters", "smollm2-135m-in
 DEFAULT_EAGLE = DEFAULT_DRAFTER + "-eagle"
 
 
+def drafters_for(model: str | None, drafter: str | None, eagle: str | None) -> tuple[str, str]:
+    """(Falcon drafter, EAGLE-1 drafter) a benchmark of ``model`` uses where the command gives none: the drafter
+    shipped for that target (as ``"model": "falcon"`` resolves it; an error names what was tried) and its
+    ``-eagle`` sibling; SmolLM2's pair when no model is given or none is shipped for it."""
+    if model is None:
+        return drafter or DEFAULT_DRAFTER, eagle or DEFAULT_EAGLE
+    if drafter is None or eagle is None:
+        from transformers import AutoConfig
+
+        from falcon_vllm.vllm.options import resolve_drafter
+
+        try:
+            shipped = resolve_drafter("falcon", AutoConfig.from_pretrained(model))
+        except ValueError:  # none for this target: configurations without a drafter still run; the others fail
+            return drafter or DEFAULT_DRAFTER, eagle or DEFAULT_EAGLE  # on the plugin's wrong-target error
+        drafter, eagle = drafter or shipped, eagle or shipped.rstrip("/") + "-eagle"
+    return drafter, eagle
+
+
 def portable(value):
     """A setting as it may appear in committed results: a path inside the repository becomes relative to it,
     any other absolute path its last component; other values stay as they are."""
