@@ -242,11 +242,13 @@ def read_config_json(directory: str, kind: str = "Falcon drafter") -> tuple[dict
 
 
 def target_signature(target_config) -> dict:
-    """What identifies a target for a drafter: shapes and (if known) its name."""
+    """What identifies a target for a drafter: shapes and (if known) its name (a directory's last component: a
+    drafter's config names no machine path)."""
+    name = getattr(target_config, "_name_or_path", None) or None
     return {
         "model_type": getattr(target_config, "model_type", None),
         "hidden_size": target_config.hidden_size,
         "vocab_size": target_config.vocab_size,
         "num_hidden_layers": getattr(target_config, "num_hidden_layers", None),
-        "name": getattr(target_config, "_name_or_path", None) or None,
+        "name": os.path.basename(name.rstrip("/")) if name else None,
     }

@@ -16,7 +16,9 @@ def test_shipped_drafter_is_small_readable_and_documented(drafter):
     assert weights.stat().st_size <= MAX_BYTES, f"{drafter.name}: {weights.stat().st_size} bytes"
     check_weights(str(drafter))  # the safetensors header opens
     assert (drafter / "README.md").read_text().startswith("# "), f"{drafter.name} has no model card"
-    json.loads((drafter / "config.json").read_text())
+    text = (drafter / "config.json").read_text()
+    json.loads(text)
+    assert '"/' not in text, f"{drafter.name}/config.json names a machine path"
 
 
 @pytest.mark.parametrize("drafter", [d for d in shipped_drafters() if (d / SERVING_FILE).exists()],
@@ -33,3 +35,13 @@ def test_shipped_falcon_drafter_resolves_for_its_recorded_target(drafter):
     target = SimpleNamespace(**{k: v for k, v in t.items() if k != "name"})
     assert resolve_drafter("falcon", target) == str(drafter)
     read_serving(str(drafter / SERVING_FILE))
+
+
+def test_a_recorded_target_is_named_by_its_directory_not_its_path():
+    from types import SimpleNamespace
+
+    from falcon_vllm.config import target_signature
+
+    cfg = SimpleNamespace(model_type="qwen2", hidden_size=8, vocab_size=16, num_hidden_layers=2,
+                          _name_or_path="/opt/models/qwen2.5-coder-1.5b-instruct-float32/")
+    assert target_signature(cfg)["name"] == "qwen2.5-coder-1.5b-instruct-float32"

@@ -59,6 +59,7 @@ def test_tune_tree_fits_from_the_vllm_cost_table(ckpt, tmp_path):
     assert res["cost_model"] == "vllm"
     assert set(res["costs_s"]) == {f"{b}x{w}" for b in (1, 2) for w in (1, 3, 5)}  # 1 + W rows per request
     assert set(res["by_batch_size"]) == {"1", "2"}
+    assert res["drafter"] == "drafter"  # names, not machine paths: the file may ship as a drafter's serving.json
 
 
 def test_the_benchmark_writes_both_columns(ckpt, tmp_path):
