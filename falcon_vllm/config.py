@@ -241,6 +241,11 @@ def read_config_json(directory: str, kind: str = "Falcon drafter") -> tuple[dict
         raise ValueError(f"falcon-vllm: {path} is not valid JSON: {e}") from None
 
 
+def dir_name(path) -> str:
+    """A directory's name, as recorded files give it (a model, a drafter, a data set): never the machine's path."""
+    return os.path.basename(str(path).rstrip("/"))
+
+
 def target_signature(target_config) -> dict:
     """What identifies a target for a drafter: shapes and (if known) its name (a directory's last component: a
     drafter's config names no machine path)."""
@@ -250,5 +255,5 @@ def target_signature(target_config) -> dict:
         "hidden_size": target_config.hidden_size,
         "vocab_size": target_config.vocab_size,
         "num_hidden_layers": getattr(target_config, "num_hidden_layers", None),
-        "name": os.path.basename(name.rstrip("/")) if name else None,
+        "name": dir_name(name) if name else None,
     }

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 
 import torch
 
 from falcon_vllm.acceptance import best_tree, rank_profile
+from falcon_vllm.config import dir_name
 from falcon_vllm.drafter import FalconDrafter
 from falcon_vllm.train.data import split_held_out
 from falcon_vllm.train.gen_data import load_shards
@@ -102,10 +102,6 @@ def drafter_pass_cost(drafter, topk: int, blocks: int = 8) -> float:
 
 
 # ---------------------------------------------------------------------- CLI
-def _name(path: str) -> str:
-    return os.path.basename(path.rstrip("/"))
-
-
 def add_arguments(p):
     p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", required=True, help="Falcon drafter directory")
@@ -176,8 +172,8 @@ def main(args):
     out = {"paths": largest["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
            "samples": len(profiles), "costs_s": {f"{b}x{w}": t for (b, w), t in sorted(memo.items())},
            "cost_model": args.cost, "drafter_pass_s": draft_cost,
-           "dataset": f"held-out of {_name(args.data)}" if args.data else args.dataset,
-           "drafter": _name(args.drafter)}  # names, not paths: the file may ship as a drafter's serving.json
+           "dataset": f"held-out of {dir_name(args.data)}" if args.data else args.dataset,
+           "drafter": dir_name(args.drafter)}  # names, not paths: the file may ship as a drafter's serving.json
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     for b, r in res.items():

@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from falcon_vllm.config import dir_name
 from falcon_vllm.train.answer_files import GENERATION, answers_meta, load_answers, save_answers, write_answers
 from falcon_vllm.train.sharegpt import build_prompts, iter_sharegpt
 from falcon_vllm.train.turns import answer_turns, dataset_replies
@@ -223,7 +224,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
-    manifest = {"target": os.path.basename(str(target_dir).rstrip("/")), "hidden_size": mdl.config.hidden_size,
+    manifest = {"target": dir_name(target_dir), "hidden_size": mdl.config.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "skip_conversations": skip_conversations,
                 "backend": backend if replies == "target" else None,   # the data's replies: nothing generated
@@ -404,7 +405,7 @@ def answers_only(target_dir: str, path: str, num_conversations: int | None, max_
 
     tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
     prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
-    meta = {"target": os.path.basename(str(target_dir).rstrip("/")), "max_new_tokens": max_new_tokens,
+    meta = {"target": dir_name(target_dir), "max_new_tokens": max_new_tokens,
             "max_turns": 1, "max_total_tokens": max_total_tokens, "max_prompt_tokens": max_prompt_tokens,
             "skip_conversations": skip_conversations, "loss_from_turn": 1, "generation": GENERATION["target"]}
     stored = load_answers(path, meta)[0] if os.path.exists(path) else []

@@ -23,6 +23,7 @@ import re
 import time
 from pathlib import Path
 
+from falcon_vllm.config import dir_name
 from falcon_vllm.models import chat_ids
 
 BENCHMARKS = ("mt-bench", "humaneval", "gsm8k")
@@ -117,7 +118,7 @@ def run(target_dir: str, out_path: str, num: int, max_tokens: int = 128, tempera
     out = Path(out_path)
     rows = json.loads(out.read_text()) if out.exists() else []
     meta_path = out.with_suffix(out.suffix + ".meta.json")
-    meta = {"target": os.path.basename(str(target_dir).rstrip("/")), "max_tokens": max_tokens,
+    meta = {"target": dir_name(target_dir), "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "min_tokens": min_tokens}
     if leads:
         meta["leads"] = leads

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from falcon_vllm.config import dir_name
 from falcon_vllm.train import gen_data
 from falcon_vllm.train.config import TrainConfig, add_config_arguments, config_from_args
 from falcon_vllm.train.trainer import train
@@ -135,7 +136,7 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         cfg = json.load(f)
     tgt = cfg.get("falcon", {}).get("target", {})
     if "name" in tgt:  # record the target's name, not where it lay on the training machine
-        tgt["name"] = os.path.basename(str(tgt["name"]).rstrip("/"))
+        tgt["name"] = dir_name(tgt["name"])
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
 
