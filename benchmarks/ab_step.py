@@ -121,7 +121,7 @@ def write(args, rows) -> None:
     cmd = command_line("ab_step.py")
     meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "compile": args.compile}
+            "top_p": args.top_p, "compile": args.compile, "build_order": args.build_order}
     decoding = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}" + (
         f", top-p {args.top_p:g}" if args.top_p < 1 else "")
     lines = [f"# A/B in one process: {args.name}", "", f"Command: `{cmd}`", "",
@@ -132,7 +132,9 @@ def write(args, rows) -> None:
              f"{', every turn (a generation: the conversation, later turns after the baseline answers)' if args.turn == 0 else ''}"
              f"{f', rotating over the first {args.prompts}' if args.prompts else ''}, {decoding}, "
              f"{'stopping at EOS' if args.stop_at_eos else 'EOS ignored'}; "
-             f"{compile_words(args.compile)}).  speedup = baseline seconds / configuration seconds of the generation pair, median "
+             f"{compile_words(args.compile)}; engines built "
+             f"{'in the configurations' if args.build_order == 'given' else 'in the reverse of the configurations'}"
+             f"' order).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
              f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done; ms/step: the "
@@ -181,6 +183,10 @@ def main(argv=None, prog: str | None = None, description: str | None = None, def
                         "or for the comma-separated configuration labels given (a configuration given twice is "
                         "labelled <config>#<index>: `--configs vanilla,vanilla --compile 'vanilla#1'` times eager "
                         "against compiled); a compiled engine takes a minute or two more to build")
+    p.add_argument("--build-order", choices=("given", "reversed"), default="given",
+                   help="build the engines in --configs' order or the reverse (the baseline stays the first "
+                        "configuration): an engine built later can run a few percent slower in one process, so a "
+                        "small difference is worth measuring both ways (default: %(default)s)")
     p.add_argument("--name", default="ab_step", help="writes <out-dir>/<name>.{json,md} (default: %(default)s)")
     p.add_argument("--out-dir", default=RESULTS, help="default: benchmarks/results")
     p.set_defaults(**(defaults or {}))

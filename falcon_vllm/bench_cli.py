@@ -39,7 +39,9 @@ def cli(argv: list[str]) -> int:
     sys.path.insert(0, BENCH)  # the benchmarks and their harness live in the checkout, not in the package
     import ab_step
 
-    argv = [f"--{k}={v}" for k, v in DEFAULTS.items()] + list(argv)  # explicit, so the recorded command reruns it
+    given = {a.split("=")[0] for a in argv}
+    # bench's own defaults, written out so the recorded command reruns it (only those the caller did not give)
+    argv = [f"--{k}={v}" for k, v in DEFAULTS.items() if f"--{k}" not in given] + list(argv)
     sys.argv = [os.path.join(BENCH, "ab_step.py"), *argv]
     ab_step.main(argv, prog="falcon-vllm bench", description=DESCRIPTION, defaults=DEFAULTS)
     return 0

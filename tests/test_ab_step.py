@@ -67,3 +67,14 @@ def test_bench_runs_vanilla_against_falcon_in_one_run(tmp_path, monkeypatch):
     assert rows["falcon"]["tokens_per_generation"] == 8 and rows["falcon"]["pairs"] == 2
     assert rows["falcon"]["steps_per_generation"] <= rows["vanilla"]["steps_per_generation"]
     assert (tmp_path / "res" / "bench.md").read_text().startswith("# A/B in one process: bench")
+
+
+def test_bench_writes_out_only_the_defaults_the_caller_did_not_give(monkeypatch):
+    """The recorded command reruns the run: bench's defaults are written out, but not next to the caller's own."""
+    seen = []
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(ab_step, "main", lambda argv, **kw: seen.append(argv))
+    assert bench_cli.cli(["--configs", "eagle:2,falcon", "--pairs", "2"]) == 0
+    assert seen[-1] == ["--name=bench", "--configs", "eagle:2,falcon", "--pairs", "2"]
+    assert bench_cli.cli(["--name=x"]) == 0
+    assert seen[-1] == ["--configs=vanilla,falcon", "--name=x"]

@@ -230,3 +230,36 @@ def test_benchmarks_default_to_the_drafter_shipped_for_the_model(tmp_path):
     LlamaConfig(hidden_size=64, vocab_size=128, num_hidden_layers=2, num_attention_heads=4,
                 intermediate_size=128).save_pretrained(tmp_path / "other")
     assert drafters_for(str(tmp_path / "other"), None, None) == (DEFAULT_DRAFTER, DEFAULT_EAGLE)
+
+
+@pytest.mark.parametrize("build_order, built", [("given", ["vanilla", "chain:2", "ngram"]),
+                                                ("reversed", ["ngram", "chain:2", "vanilla"])])
+def test_build_order_builds_the_engines_in_order_and_keeps_the_baseline_first(monkeypatch, build_order, built):
+    """--build-order reversed builds the last configuration's engine first; the labels, the engines' order and the
+    baseline (the first configuration) do not change, so the same comparison can be measured both ways."""
+    import types
+
+    import vllm
+
+    from falcon_vllm.vllm import proposer
+
+    made = []
+
+    class FakeLLM:
+        def __init__(self, speculative_config=None, **kw):
+            made.append(speculative_config)
+            runner = types.SimpleNamespace(execute_model=lambda *a, **k: None,
+                                           propose_draft_token_ids=lambda *a, **k: None)
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))))
+            self.spec = speculative_config
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(proposer, "falcon_proposer", lambda runner: None)
+    args = types.SimpleNamespace(configs=["vanilla", "chain:2", "ngram"], compile="", drafter=D,
+                                 eagle_drafter="/d/eagle", num_spec_tokens=2, build_order=build_order)
+    labels, built_engines, _, step_count = engines.build_engines(args, "/m", 1)
+    assert labels == ["vanilla", "chain:2", "ngram"]
+    assert list(built_engines) == labels and list(step_count) == labels
+    assert made == [engines.spec_for(c, D, 2, "/d/eagle") for c in built]
+    assert [built_engines[c].spec for c in labels] == [engines.spec_for(c, D, 2, "/d/eagle") for c in labels]
