@@ -15,7 +15,8 @@ import torch
 from tests.vllm_util import (EngineCache, context_chi_square, counter_delta, drafter_of, greedy as _greedy,
                              reference_drafts, runner_of, save_target, seeded, spec_counters, structured)
 
-from falcon_vllm.testing import context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama
+from falcon_vllm.testing import (context_llama, exact_drafter, increment_llama, random_drafter, tiny_llama,
+                                 truncate_head)
 from falcon_vllm.tree import build_tree
 from falcon_vllm.acceptance import best_tree
 
@@ -56,6 +57,9 @@ def ckpts(tmp_path_factory):
         inc.lm_head.weight.mul_(SHARP)
     save_target(inc, str(base / "inc"))
     exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
+    # its head over a shuffled half of the vocabulary (a d2t map, as a drafter with --draft-vocab stores one)
+    half = torch.randperm(V, generator=torch.Generator().manual_seed(2))[: V // 2]
+    truncate_head(exact_drafter(inc, k=2), inc, half).save_pretrained(str(base / "exact_k2_half"))
     ctx = context_llama(vocab=V)
     save_target(ctx, str(base / "ctx"))
     return {"dir": base, "rnd": rnd, "inc": inc, "ctx": ctx}
@@ -75,6 +79,8 @@ def _engine_specs(base) -> dict:
                                                               "max_model_len": 192, "max_num_seqs": 4}),
         "exact": ("inc", spec("exact_k2", "tree-3x2x1x1x1x1"), {"per_request_spec_decode_metrics": "detailed"}),
         "ctx": ("ctx", spec("exact_k2", "tree-3x2x1x1x1x1"), {}),
+        # the shipped Qwen2.5-Coder-1.5B drafter's shape of serving: a truncated head, a one-level tree of 4
+        "ctx_half": ("ctx", spec("exact_k2_half", [[0], [1], [2], [3]]), {}),
     }
     return {name: (str(base / target), sc, kw) for name, (target, sc, kw) in specs.items()}
 
@@ -432,6 +438,15 @@ def test_sampling_is_lossless(engines, ckpts, temperature, top_k, top_p):
     chi2, counts, expected, c = _sample_chi_square(engines.get("ctx"), ckpts, temperature, top_k, top_p)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
     assert 0 < c["num_accepted_tokens"] < c["num_drafts"] * 6               # accepted and rejected
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, 0.9), (1.0, None, None)])
+def test_sampling_is_lossless_with_a_truncated_head(engines, ckpts, temperature, top_k, top_p):
+    """A drafter whose head covers half the vocabulary (its d2t map), serving a one-level tree of its top-4 first
+    tokens: the tokens it cannot draft come from the residual, and the output still follows the target."""
+    chi2, counts, expected, c = _sample_chi_square(engines.get("ctx_half"), ckpts, temperature, top_k, top_p)
+    assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
+    assert 0 < c["num_accepted_tokens"] < c["num_drafts"]      # accepted and rejected (one token a draft)
 
 
 def test_broken_verifier_is_caught(engines, ckpts, monkeypatch):
