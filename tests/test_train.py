@@ -442,6 +442,12 @@ def test_gen_data_answers_only_grows_a_file_that_featurizes_as_a_full_run(tmp_pa
                                     for x, y in zip(full, later))
     with pytest.raises(ValueError, match="other settings: max_new_tokens"):
         gen_data.answers_only("tiny", f, 10, 9, 4, **kw)
+    # the file names the prompts it answered, and featurizing it against other prompts says which they were
+    assert answers_meta(f)["data"] == "sg.json"
+    (tmp_path / "other.json").write_text(json.dumps(convs[1:]))
+    with pytest.raises(ValueError, match=r"does not begin with this data's prompt \(another dataset, template or "
+                                         r"order; its answers were made from --data sg.json\)"):
+        gen_data.run("tiny", str(tmp_path / "wrong"), 4, 8, answers=f, **{**hf, "data": str(tmp_path / "other.json")})
 
 
 def test_gen_data_resumes_by_shard(tmp_path, target, monkeypatch):

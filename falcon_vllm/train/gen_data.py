@@ -333,12 +333,14 @@ class Job:
     gen_dtype: str = "float32"  # the dtype vLLM answers in (the features always come from the fp32 target)
 
 
-def check_stored_prompts(stored, prompts: list, source: str) -> None:
-    """Each stored (index, tokens) conversation must begin with that conversation's prompt in this run's data."""
+def check_stored_prompts(stored, prompts: list, source: str, data: str | None = None) -> None:
+    """Each stored (index, tokens) conversation must begin with that conversation's prompt in this run's data.
+    ``data``: the prompts' file the answers were made from, as the answers file records it (named in the error)."""
     for i, q in stored:
         if q[:len(prompts[i])] != prompts[i]:
+            hint = f"; its answers were made from --data {data}" if data else ""
             raise ValueError(f"falcon-vllm: gen-data: {source}: conversation {i} does not begin with this data's "
-                             "prompt (another dataset, template or order)")
+                             f"prompt (another dataset, template or order{hint})")
 
 
 def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> dict:
@@ -347,7 +349,8 @@ def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, c
     from_answers = shard[-1] < len(job.stored)
     if from_answers:  # the stored answers (featurized, or continued below)
         seqs, masks = [job.stored[i][0] for i in shard], [job.stored[i][1] for i in shard]
-        check_stored_prompts(zip(shard, seqs), prompts, f"--answers {job.answers}")
+        check_stored_prompts(zip(shard, seqs), prompts, f"--answers {job.answers}",
+                             answers_meta(job.answers).get("data"))
     generated = job.replies == "target" and (not from_answers or job.stored_turns < job.max_turns)
     generate_s = 0.0
     if job.replies == "data":
@@ -407,10 +410,12 @@ def answers_only(target_dir: str, path: str, num_conversations: int | None, max_
     prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
     meta = {"target": dir_name(target_dir), "max_new_tokens": max_new_tokens,
             "max_turns": 1, "max_total_tokens": max_total_tokens, "max_prompt_tokens": max_prompt_tokens,
-            "skip_conversations": skip_conversations, "loss_from_turn": 1, "generation": GENERATION["target"]}
+            "skip_conversations": skip_conversations, "loss_from_turn": 1, "generation": GENERATION["target"],
+            "data": dir_name(data) if data else "sharegpt"}  # the prompts' file, named when --answers mismatches
     stored = load_answers(path, meta)[0] if os.path.exists(path) else []
     runs = json.loads(answers_meta(path).get("runs", "[]")) if stored else []
-    check_stored_prompts(((i, q) for i, (q, _) in enumerate(stored[:len(prompts)])), prompts, path)
+    check_stored_prompts(((i, q) for i, (q, _) in enumerate(stored[:len(prompts)])), prompts, path,
+                         answers_meta(path).get("data") if stored else None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     job = Job(target_dir, None, tok, pad, {tok.eos_token_id} - {None}, backend="vllm", replies="target",
               batch_size=shard_size, max_new_tokens=max_new_tokens, max_turns=1, max_total_tokens=max_total_tokens,
