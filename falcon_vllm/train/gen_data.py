@@ -338,7 +338,8 @@ def check_stored_prompts(stored, prompts: list, source: str, data: str | None = 
     ``data``: the prompts' file the answers were made from, as the answers file records it (named in the error)."""
     for i, q in stored:
         if q[:len(prompts[i])] != prompts[i]:
-            hint = f"; its answers were made from --data {data}" if data else ""
+            hint = ("" if not data else "; its answers were made from the ShareGPT package's prompts, without --data"
+                    if data == "sharegpt" else f"; its answers were made from --data {data}")
             raise ValueError(f"falcon-vllm: gen-data: {source}: conversation {i} does not begin with this data's "
                              f"prompt (another dataset, template or order{hint})")
 
