@@ -333,13 +333,17 @@ class Job:
     gen_dtype: str = "float32"  # the dtype vLLM answers in (the features always come from the fp32 target)
 
 
-def check_stored_prompts(stored, prompts: list, source: str, data: str | None = None) -> None:
+def check_stored_prompts(stored, prompts: list, source: str, answers_path: str) -> None:
     """Each stored (index, tokens) conversation must begin with that conversation's prompt in this run's data.
-    ``data``: the prompts' file the answers were made from, as the answers file records it (named in the error)."""
+    On a mismatch the error names the prompts' file the answers file records (``data``), if it records one."""
     for i, q in stored:
         if q[:len(prompts[i])] != prompts[i]:
-            hint = ("" if not data else "; its answers were made from the ShareGPT package's prompts, without --data"
-                    if data == "sharegpt" else f"; its answers were made from --data {data}")
+            data = answers_meta(answers_path).get("data")
+            hint = ""
+            if data == "sharegpt":
+                hint = "; its answers were made from the ShareGPT package's prompts, without --data"
+            elif data:
+                hint = f"; its answers were made from --data {data}"
             raise ValueError(f"falcon-vllm: gen-data: {source}: conversation {i} does not begin with this data's "
                              f"prompt (another dataset, template or order{hint})")
 
@@ -350,8 +354,7 @@ def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, c
     from_answers = shard[-1] < len(job.stored)
     if from_answers:  # the stored answers (featurized, or continued below)
         seqs, masks = [job.stored[i][0] for i in shard], [job.stored[i][1] for i in shard]
-        check_stored_prompts(zip(shard, seqs), prompts, f"--answers {job.answers}",
-                             answers_meta(job.answers).get("data"))
+        check_stored_prompts(zip(shard, seqs), prompts, f"--answers {job.answers}", job.answers)
     generated = job.replies == "target" and (not from_answers or job.stored_turns < job.max_turns)
     generate_s = 0.0
     if job.replies == "data":
@@ -415,8 +418,7 @@ def answers_only(target_dir: str, path: str, num_conversations: int | None, max_
             "data": dir_name(data) if data else "sharegpt"}  # the prompts' file, named when --answers mismatches
     stored = load_answers(path, meta)[0] if os.path.exists(path) else []
     runs = json.loads(answers_meta(path).get("runs", "[]")) if stored else []
-    check_stored_prompts(((i, q) for i, (q, _) in enumerate(stored[:len(prompts)])), prompts, path,
-                         answers_meta(path).get("data") if stored else None)
+    check_stored_prompts(((i, q) for i, (q, _) in enumerate(stored[:len(prompts)])), prompts, path, path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     job = Job(target_dir, None, tok, pad, {tok.eos_token_id} - {None}, backend="vllm", replies="target",
               batch_size=shard_size, max_new_tokens=max_new_tokens, max_turns=1, max_total_tokens=max_total_tokens,
