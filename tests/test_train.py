@@ -341,6 +341,34 @@ def test_teacher_cache_is_built_once_by_runs_side_by_side(tmp_path, target, data
     assert len(built) == 1 and all(torch.equal(x["idx"], y["idx"]) for x, y in zip(out["a"], out["c"]))
 
 
+def test_teacher_cache_of_grown_data_reuses_its_first_conversations(tmp_path, target, data, monkeypatch):
+    """gen-data appends shards: the cache of a data set's first conversations is reused and only the new ones
+    go through the head; the result is the whole set's cache. A stored cache that does not fit is not used."""
+    import falcon_vllm.train.data as trainer
+
+    assert len(data) >= 5
+    head, real, computed, logs = target.get_output_embeddings(), trainer.teacher_cache, [], []
+
+    def counting(samples, *a, **kw):
+        computed.append(len(samples))
+        return real(samples, *a, **kw)
+
+    monkeypatch.setattr(trainer, "teacher_cache", counting)
+    trainer.cached_teacher(str(tmp_path), data[:3], head, 8, logs.append)
+    grown = trainer.cached_teacher(str(tmp_path), data[:5], head, 8, logs.append)
+    assert computed == [3, 2] and any("first 3 conversations" in m for m in logs)
+    whole = real(data[:5], head, 8)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(grown, whole) for n in x)
+    # a stored cache whose rows do not fit the data's first conversations is not used; one that fits is
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    torch.save(real(data[1:4], head, 8), os.path.join(other, "teacher_top8_n3_x.pt"))
+    assert [len(s.tokens) for s in data[:3]] != [len(s.tokens) for s in data[1:4]]
+    assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[:5]) == []
+    assert len(trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:6])) == 3
+    assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:4]) == []  # not fewer than stored
+
+
 def test_glancing_with_observed_subset(data):
     k = 2
     b = make_batch(data[:4], k, 64)

@@ -146,7 +146,9 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
     """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused.
 
     Runs that start side by side on the same data build it once: the first holds a lock on
-    ``<cache>.lock`` while it builds, and the others wait for it and load what it wrote."""
+    ``<cache>.lock`` while it builds, and the others wait for it and load what it wrote. A data set that
+    gen-data has grown since (shards are only appended) reuses the cache of its first conversations and
+    computes the new ones' alone."""
     if not data_dir:
         return teacher_cache(data, lm_head, topk)
     import fcntl
@@ -166,12 +168,29 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
         if os.path.exists(cpath):
             return torch.load(cpath, weights_only=False)
         t0 = time.time()
-        cache = teacher_cache(data, lm_head, topk)
+        cache = prefix_cache(data_dir.split(",")[0], f"teacher_top{topk}_n", f"_{tag}.pt", data, log)
+        cache += teacher_cache(data[len(cache):], lm_head, topk)
         log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
         tmp = f"{cpath}.{os.getpid()}.tmp"
         torch.save(cache, tmp)
         os.replace(tmp, cpath)
         return cache
+
+
+def prefix_cache(directory: str, head: str, tail: str, data, log=print) -> list:
+    """The largest stored cache ``{head}{m}{tail}`` of fewer conversations than ``data`` that fits its first
+    ``m`` (one row per token of each), loaded; [] when there is none."""
+    found = []
+    for name in os.listdir(directory):
+        m = name[len(head):-len(tail)] if name.startswith(head) and name.endswith(tail) else ""
+        if m.isdigit() and 0 < int(m) < len(data):
+            found.append((int(m), name))
+    for m, name in sorted(found, reverse=True):
+        cache = torch.load(os.path.join(directory, name), weights_only=False)
+        if len(cache) == m and all(len(c["arg"]) == len(s.tokens) for c, s in zip(cache, data)):
+            log(f"teacher cache: the first {m} conversations' from {name}")
+            return cache
+    return []
 
 
 def crop_context(sample: Sample, max_context: int) -> Sample:
