@@ -119,7 +119,7 @@ def run(args) -> list[dict]:
 
 def write(args, rows) -> None:
     cmd = command_line("ab_step.py")
-    meta = {"command": cmd, "machine": cpu_name(), "baseline": args.configs[0],
+    meta = {"command": cmd, "machine": cpu_name(), "baseline": portable_text(args.configs[0]),
             "dataset": args.dataset, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "compile": args.compile, "build_order": args.build_order}
     decoding = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}" + (
@@ -136,7 +136,7 @@ def write(args, rows) -> None:
              f"{'in the configurations' if args.build_order == 'given' else 'in the reverse of the configurations'}"
              f"' order).  speedup = baseline seconds / configuration seconds of the generation pair, median "
              f"(min-max) over the pairs; total: the same ratio over all pairs' seconds (the workload's time); "
-             f"baseline `{args.configs[0]}`.  steps/generation: the runner's model "
+             f"baseline `{portable_text(args.configs[0])}`.  steps/generation: the runner's model "
              f"steps per generation, prefill included, until the batch's slowest request is done; ms/step: the "
              f"generations' seconds per step; drafting: the runner's propose_draft_token_ids (vLLM's drafter input "
              f"preparation and the drafter) per step.", "",

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from harness.paths import RESULTS
+from harness.paths import RESULTS, portable, portable_text
 from harness.prompts import DATASETS, eval_set
 from harness.report import write_report
 
@@ -111,12 +111,13 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 r = evaluate(d, samples, built, d.config.k, 384, a.roots, widths,
                              context=a.context)
-            row = {"drafter": label, "dir": path, "k": d.config.k, "layers": d.config.num_layers,
+            row = {"drafter": label, "dir": portable(path), "k": d.config.k, "layers": d.config.num_layers,
                    "block_order": d.config.block_order, "aux_layers": list(d.config.aux_layers), "dataset": name,
                    "conversations": len(samples), "tree": tree, "context": a.context, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    res = {"command": "python benchmarks/heldout_eval.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": portable_text("python benchmarks/heldout_eval.py "
+                                   + " ".join(argv if argv is not None else sys.argv[1:])),
            "num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "seconds": round(time.time() - t0, 1),
            "rows": rows}
     names = list(sets)

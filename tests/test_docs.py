@@ -58,3 +58,22 @@ def test_relative_links_point_at_files(page):
         if not os.path.exists(path):
             missing.append(target)
     assert not missing, f"{os.path.relpath(page, REPO)} links to missing files: {missing}"
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(root|home|tmp|work|Users)/")
+
+
+def test_published_files_name_no_machine_paths():
+    """Result files, docs, the README and the shipped drafters' files never name a path of the machine that
+    wrote them (the harness makes paths portable; a hand-written note must too)."""
+    tracked = subprocess.run(["git", "ls-files", "README.md", "docs", "benchmarks/results", "falcon_vllm/drafters"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    found = []
+    for rel in tracked:
+        if not rel.endswith((".md", ".json", ".txt", ".csv")):
+            continue
+        with open(os.path.join(REPO, rel), encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if MACHINE_PATH.search(line):
+                    found.append(f"{rel}:{n}")
+    assert tracked and not found, f"machine paths in: {found[:20]}"
