@@ -156,7 +156,8 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
 
     # next to the (first) data directory, named for the whole data set
     tag = hashlib.sha1(",".join(os.path.abspath(d) for d in data_dir.split(",") if d).encode()).hexdigest()[:8]
-    cpath = os.path.join(data_dir.split(",")[0], f"teacher_top{topk}_n{len(data)}_{tag}.pt")
+    where, head, tail = data_dir.split(",")[0], f"teacher_top{topk}_n", f"_{tag}.pt"  # {head}{conversations}{tail}
+    cpath = os.path.join(where, f"{head}{len(data)}{tail}")
     if os.path.exists(cpath):  # written whole (a rename), so no lock to read it: a read-only data set loads too
         return torch.load(cpath, weights_only=False)
     with open(f"{cpath}.lock", "a") as lock:
@@ -168,7 +169,7 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
         if os.path.exists(cpath):
             return torch.load(cpath, weights_only=False)
         t0 = time.time()
-        cache = prefix_cache(data_dir.split(",")[0], f"teacher_top{topk}_n", f"_{tag}.pt", data, log)
+        cache = prefix_cache(where, head, tail, data, log)
         cache += teacher_cache(data[len(cache):], lm_head, topk)
         log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
         tmp = f"{cpath}.{os.getpid()}.tmp"
