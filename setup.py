@@ -17,8 +17,7 @@ setup(
     packages=["falcon_vllm", "falcon_vllm.vllm", "falcon_vllm.train", "falcon_vllm.kernels"],
     package_dir={"falcon_vllm.kernels": "kernels"},
     package_data={"falcon_vllm": ["drafters/*/*.json", "drafters/*/*.safetensors", "drafters/*/*.npz",
-                                  "drafters/*/*.md",
-                                  "trees/*.json"]},
+                                  "drafters/*/*.md"]},
     include_package_data=True,
     install_requires=[
         # torch is not listed bare: a bare requirement pulls a multi-GB CUDA build on CPU machines.

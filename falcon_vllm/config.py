@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -23,39 +23,54 @@ BLOCK_ORDERS = ("forward", "reversed")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
+def _stored(default=MISSING, *, key: str | None = None, section: str = "", optional: bool = False,
+            factory=MISSING):
+    """A field of FalconConfig and where ``config.json`` stores it: under ``key`` (default: the field's name) at the
+    top level (``section=""``, what vLLM and transformers read) or in the ``"falcon"`` section; ``optional``: left out
+    of the file while it has its default."""
+    meta = {"key": key, "section": section, "optional": optional}
+    return field(default_factory=factory, metadata=meta) if factory is not MISSING else field(default=default,
+                                                                                             metadata=meta)
+
+
+# how a stored value is read back, by the field's annotation (the others are stored as they are)
+_READ = {"int": int, "int | None": int, "float": float, "bool": bool, "tuple[int, ...]": tuple}
+
+
 @dataclass
 class FalconConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    head_dim: int | None = None
-    num_layers: int = 1
-    k: int = 2
-    fusion: str = "lstm"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    attention_bias: bool = False      # q/k/v biases (Qwen2 layers)
-    fc_bias: bool = False             # bias of the fc fusion (vLLM's EAGLE layout has none)
+    hidden_size: int = _stored()
+    num_attention_heads: int = _stored()
+    num_key_value_heads: int = _stored()  # stored files without it: num_attention_heads
+    intermediate_size: int = _stored()
+    vocab_size: int = _stored()
+    head_dim: int | None = _stored(None)
+    num_layers: int = _stored(1, key="num_hidden_layers")
+    k: int = _stored(2, section="falcon")
+    fusion: str = _stored("lstm", section="falcon")
+    rms_norm_eps: float = _stored(1e-6)
+    rope_theta: float = _stored(10000.0)  # also written as rope_parameters, read from there first
+    attention_bias: bool = _stored(False, key="qkv_bias")  # q/k/v biases (Qwen2 layers)
+    fc_bias: bool = _stored(False, section="falcon")  # bias of the fc fusion (vLLM's EAGLE layout has none)
     # which block position outputs which level: "forward" (the paper's: position r of a block -> level r+1)
     # or "reversed" (the block's last position, the one whose input is newest, -> level 1; see drafter.py)
-    block_order: str = "forward"
+    block_order: str = _stored("forward", section="falcon", optional=True)
     # a learned vector per block row (offset 0..k-1 inside its end-aligned block) added to the fused input:
     # rows of one block see the same keys, so without it a row tells its level only through rotary offsets
-    level_embedding: bool = False
-    max_position_embeddings: int = 4096
-    model_type: str = "llama"
-    tree: str | None = None           # default decoding tree (preset name or list string)
-    draft_vocab_size: int | None = None  # truncated draft head: its N target tokens (None = the target's head)
+    level_embedding: bool = _stored(False, section="falcon", optional=True)
+    max_position_embeddings: int = _stored(4096)
+    model_type: str = _stored("llama")
+    tree: str | None = _stored(None, section="falcon")  # default decoding tree (preset name or list string)
+    # truncated draft head: its N target tokens (None = the target's head)
+    draft_vocab_size: int | None = _stored(None, optional=True)
     # the truncated head is the target's LM-head rows of its N tokens, never trained: the checkpoint stores only
     # d2t and the rows are taken from the target when the drafter is loaded (top-level ``frozen_head`` key)
-    frozen_head: bool = False
+    frozen_head: bool = _stored(False, optional=True)
     # target layers whose input states (EAGLE-3's low/mid/high features) the drafter also reads at target
     # positions (gen-data --aux-layers); () = the final-norm states alone
-    aux_layers: tuple[int, ...] = ()
-    target: dict[str, Any] = field(default_factory=dict)  # what the drafter was trained for
-    extra: dict[str, Any] = field(default_factory=dict)   # training provenance etc.
+    aux_layers: tuple[int, ...] = _stored((), section="falcon", optional=True)
+    target: dict[str, Any] = _stored(factory=dict, section="falcon")  # what the drafter was trained for
+    extra: dict[str, Any] = _stored(factory=dict, section="falcon", optional=True)  # training provenance etc.
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -140,78 +155,41 @@ class FalconConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_hf_dict(self) -> dict:
-        d = {
-            "architectures": [ARCHITECTURE],
-            "model_type": self.model_type,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "vocab_size": self.vocab_size,
-            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
-            **({"frozen_head": True} if self.frozen_head else {}),
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            # our layers have q/k/v biases only (Qwen2 style): `qkv_bias`, never an o_proj bias
-            "attention_bias": False,
-            "qkv_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-            "falcon": {
-                "format_version": FORMAT_VERSION,
-                "k": self.k,
-                "fusion": self.fusion,
-                "fc_bias": self.fc_bias,
-                **({"block_order": self.block_order} if self.block_order != "forward" else {}),
-                **({"level_embedding": True} if self.level_embedding else {}),
-                **({"aux_layers": list(self.aux_layers)} if self.aux_layers else {}),
-                "tree": self.tree,
-                "target": self.target,
-                **({"extra": self.extra} if self.extra else {}),
-            },
-        }
-        return d
+        top, falcon = {"architectures": [ARCHITECTURE]}, {"format_version": FORMAT_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["optional"] and value == _default(f):
+                continue
+            section = falcon if f.metadata["section"] == "falcon" else top
+            section[f.metadata["key"] or f.name] = list(value) if isinstance(value, tuple) else value
+        return {**top,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                # our layers have q/k/v biases only (Qwen2 style): `qkv_bias`, never an o_proj bias
+                "attention_bias": False,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32",
+                "falcon": falcon}
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> "FalconConfig":
         if "falcon" not in d or not isinstance(d["falcon"], dict):
             raise ValueError(f"falcon-vllm: {source} is not a Falcon drafter config (no 'falcon' section); "
                              "convert official checkpoints with `falcon-vllm convert`")
-        f = d["falcon"]
-        try:
-            rope = d.get("rope_parameters") or {}
-            return cls(
-                hidden_size=int(d["hidden_size"]),
-                num_attention_heads=int(d["num_attention_heads"]),
-                num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
-                head_dim=d.get("head_dim"),
-                intermediate_size=int(d["intermediate_size"]),
-                vocab_size=int(d["vocab_size"]),
-                draft_vocab_size=None if d.get("draft_vocab_size") is None else int(d["draft_vocab_size"]),
-                frozen_head=bool(d.get("frozen_head", False)),
-                num_layers=int(d.get("num_hidden_layers", 1)),
-                k=int(f.get("k", 2)),
-                fusion=f.get("fusion", "lstm"),
-                fc_bias=bool(f.get("fc_bias", False)),
-                block_order=f.get("block_order", "forward"),
-                level_embedding=bool(f.get("level_embedding", False)),
-                aux_layers=tuple(f.get("aux_layers", ())),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-                attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", False))),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                model_type=d.get("model_type", "llama"),
-                tree=f.get("tree"),
-                target=f.get("target", {}) or {},
-                extra=f.get("extra", {}) or {},
-            )
-        except KeyError as e:
-            raise ValueError(f"falcon-vllm: {source}: missing key {e.args[0]!r} in the drafter config") from None
+        rope = d.get("rope_parameters") or {}
+        top = {**d, "rope_theta": rope.get("rope_theta", d.get("rope_theta")),
+               "qkv_bias": d.get("qkv_bias", d.get("attention_bias")),
+               "num_key_value_heads": d.get("num_key_value_heads", d.get("num_attention_heads"))}
+        kw = {}
+        for f in fields(cls):
+            key = f.metadata["key"] or f.name
+            value = (d["falcon"] if f.metadata["section"] == "falcon" else top).get(key)
+            if value is None:
+                if _default(f) is MISSING:
+                    raise ValueError(f"falcon-vllm: {source}: missing key {key!r} in the drafter config")
+                continue
+            kw[f.name] = _READ[f.type](value) if f.type in _READ else value
+        return cls(**kw)
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -225,6 +203,11 @@ class FalconConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _default(f):
+    """A FalconConfig field's default (MISSING for a required one)."""
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 def read_config_json(directory: str, kind: str = "Falcon drafter") -> tuple[dict, str]:

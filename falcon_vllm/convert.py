@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from falcon_vllm.config import FalconConfig
+from falcon_vllm.config import SUPPORTED_MODEL_TYPES, FalconConfig
 from falcon_vllm.drafter import FalconDrafter, check_state_dict, load_state_dict_file
 
 
@@ -56,7 +56,7 @@ def config_from_official(cfg: dict | None, state: dict, target_config=None, tree
                    "target": (FalconConfig.from_target(target_config).target if target_config is not None
                               else {"hidden_size": d["hidden_size"], "vocab_size": d["vocab_size"],
                                     "model_type": d.get("model_type")})}
-    if d.get("model_type") not in ("llama", "qwen2", "mistral"):
+    if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
         d["model_type"] = "llama"
     return FalconConfig.from_hf_dict(d, source="official config")
 

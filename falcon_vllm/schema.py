@@ -14,11 +14,21 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from falcon_vllm.tree import TreeFile, load_json as _load_json, preset_list, read_tree_file  # noqa: F401
+
 DRAFTER, LOOKUP, DRAFTS = ("Drafter and mode", "Prompt lookup and the datastore (chain mode)",
                            "How drafts are drawn and cut (chain mode)")
 GEMM_DTYPES = ("auto", "bfloat16", "int8", "model")  # draft_gemm_dtype: falcon_vllm.vllm.model.gemm_dtype
 MAX_CHAIN_TOKENS = 128  # vLLM's rejection sampler verifies at most this many speculative tokens per step
 MAX_TREE_NODES = 512    # tree mode's own sampler: nodes per request and step
+
+
+def check_chain_length(n: int) -> None:
+    """Refuse a chain longer than vLLM's rejection sampler verifies in one step."""
+    if n > MAX_CHAIN_TOKENS:
+        raise ValueError(f"falcon-vllm: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that "
+                         "vLLM's rejection sampler verifies per step; use a shorter chain or a tree")
+
 # vLLM keys that contradict how Falcon drafts: (key, allowed values, why)
 INCOMPATIBLE = (
     ("parallel_drafting", (False, None), "Falcon drafts k tokens per pass semi-autoregressively"),
@@ -92,8 +102,7 @@ class FalconOptions:
         DRAFTER, 'the drafter: a directory, or `"falcon"` to resolve one', "resolved as above",
         "a Falcon drafter directory", kind="str", vllm=True)
     tree: str | list | None = _key(
-        DRAFTER, "a preset (`falcon-llama` 118 nodes, `falcon-vicuna` 165, `eagle-small`, `eagle-medium`, "
-        "`chain-<N>`, `tree-<w1>x<w2>x...`), a list of rank paths (`[[0], [1], [0, 0]]`) or a JSON file (a list of "
+        DRAFTER, f"a preset ({preset_list()}), a list of rank paths (`[[0], [1], [0, 0]]`) or a JSON file (a list of "
         "paths, `{\"tree\": paths}`, or a `falcon-vllm tune-tree` file)", "none: a chain",
         f"duplicate or orphan paths refused; at most {MAX_TREE_NODES} nodes; a chain runs in chain mode, any other "
         "tree (and any tune-tree file) in tree mode, which refuses prompt lookup, sampled drafts and "
@@ -195,9 +204,8 @@ class FalconOptions:
         if self.draft_temperature_scale is not None and self.draft_sample_method != "probabilistic":
             raise ValueError("falcon-vllm: draft_temperature_scale (the drafter's temperature over the request's) "
                              "applies to sampled drafts: give draft_sample_method \"probabilistic\" too")
-        if not tree_mode and n > MAX_CHAIN_TOKENS:
-            raise ValueError(f"falcon-vllm: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that "
-                             "vLLM's rejection sampler verifies per step; use a shorter chain or a tree")
+        if not tree_mode:
+            check_chain_length(n)
         if tree_mode and lookup is not None:
             raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
                              "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
@@ -249,33 +257,6 @@ def parse(config: dict, vllm_keys: set[str], source: str | None = None
 
 
 # ---------------------------------------------------------------------- files
-@dataclass(frozen=True)
-class TreeFile:
-    """A tree file: a JSON list of rank paths, ``{"tree": paths}``, or a ``falcon-vllm tune-tree`` file
-    (``{"paths": ..., "by_batch_size": {b: {"paths": ...}}, ...}``)."""
-    tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
-    paths: list | None                     # its main tree (the largest one: vLLM's K)
-    by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
-
-
-def _load_json(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"falcon-vllm: {path} is not valid JSON: {e}") from None
-
-
-def read_tree_file(path: str) -> TreeFile:
-    """Parse a tree file; any other JSON gives an empty, untuned result."""
-    data = _load_json(path)
-    plain = data if isinstance(data, list) else None
-    data = data if isinstance(data, dict) else {}
-    by = data.get("by_batch_size") or {}
-    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=data.get("paths", data.get("tree", plain)),
-                    by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()))
-
-
 BY_CPU = "num_speculative_tokens_per_batch_size_by_cpu"  # serving.json only: {CPU capability: schedule}
 
 

@@ -312,6 +312,35 @@ class DecodingTree:
                 "rows_per_pass": self.rows_per_pass(), "leaves": int(self.leaf_paths.shape[0])}
 
 
+# ---------------------------------------------------------------------- tree files
+@dataclass(frozen=True)
+class TreeFile:
+    """A tree file: a JSON list of rank paths, ``{"tree": paths}``, or a ``falcon-vllm tune-tree`` file
+    (``{"paths": ..., "by_batch_size": {b: {"paths": ...}}, ...}``)."""
+    tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
+    paths: list | None                     # its main tree (the largest one: vLLM's K)
+    by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
+
+
+def load_json(path: str):
+    """A JSON file's content; invalid JSON gives one clear error."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"falcon-vllm: {path} is not valid JSON: {e}") from None
+
+
+def read_tree_file(path: str) -> TreeFile:
+    """Parse a tree file; any other JSON gives an empty, untuned result."""
+    data = load_json(path)
+    plain = data if isinstance(data, list) else None
+    data = data if isinstance(data, dict) else {}
+    by = data.get("by_batch_size") or {}
+    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=data.get("paths", data.get("tree", plain)),
+                    by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()))
+
+
 # ---------------------------------------------------------------------- presets
 # The official Falcon trees (FALCON_REFERENCE.md 4.5).  `kmask2_8layer_tree` lists [0,1,0,0]
 # twice; it is kept once here.
@@ -395,6 +424,12 @@ def preset_names() -> list[str]:
     return sorted(PRESETS) + ["chain-<N>", "tree-<w1>x<w2>x..."]
 
 
+def preset_list() -> str:
+    """The presets as the docs list them: each named preset with its node count, then the patterns."""
+    return ", ".join([f"`{name}` {len(PRESETS[name]())} nodes" for name in sorted(PRESETS)]
+                     + [f"`{name}`" for name in preset_names()[len(PRESETS):]])
+
+
 def build_tree(spec, k: int) -> DecodingTree:
     """Build a tree from a preset name, a JSON/Python list string, a list of paths, or a file.
 
@@ -433,8 +468,6 @@ def build_tree(spec, k: int) -> DecodingTree:
         return DecodingTree(paths, k)
     import os
     if os.path.isfile(s):
-        from falcon_vllm.schema import read_tree_file
-
         return DecodingTree(read_tree_file(s).paths or [], k, os.path.basename(s))
     raise ValueError(f"falcon-vllm: unknown tree {spec!r}; use a preset ({', '.join(preset_names())}), a list of "
                      "rank paths such as [[0],[1],[0,0]], or a JSON file of paths")
