@@ -10,7 +10,7 @@ class VLLMGenerator:
     """Greedy answers through an in-process vLLM engine (continuous batching), called as
     ``(prompts: list[list[int]], max_new_tokens) -> list[list[int]]`` like :func:`greedy_batch` (each
     answer ends at its first EOS).  ``close()`` shuts the engine down: a live engine's bound CPU threads
-    slow the featurizing prefill ~20x (measured), so each shard answers, closes, then featurizes."""
+    slow the featurizing prefill many times over (``docs/findings.md``), so each shard answers, closes, then featurizes."""
 
     def __init__(self, target_dir: str, max_model_len: int, max_num_seqs: int = 128, dtype: str = "float32"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

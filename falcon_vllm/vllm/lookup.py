@@ -12,7 +12,7 @@ loops); the drafter drafts everywhere, a few tokens at a time.
 doubles (up to K) after each of its lookup drafts that the target accepted whole, and falls back to
 ``lookup_tokens`` after one that it cut short.  Long drafts then go where the text is being copied
 (a repeated function body, a quoted passage), short ones elsewhere: every verified row costs target
-arithmetic (a few ms per row on a CPU), and a rejected lookup row buys nothing.
+arithmetic, and a rejected lookup row buys nothing.
 
 Verification is unchanged (vLLM's rejection sampler on one-hot proposals), so outputs are exactly
 vanilla vLLM's whatever is drafted.  Drafts become per-request lists of different lengths, as vLLM's
@@ -28,9 +28,8 @@ at most ``gap_rows`` per request: ``FalconProposer.keep_gap_rows``), and when th
 resumes, the first drafter pass runs them before its own rows: the request's drafter K/V is whole, and it drafts as
 if drafting had never stopped.  A request whose rows could not be kept (past ``gap_rows``, or where no fused pass
 runs) has a gap in the drafter's KV cache: it gets lookup drafts only, never the drafter's chain, which would
-attend over the gap, and a step where every request has one runs no drafter pass (``LookupState.gapped``).  On a
-2-core AVX-512 Xeon, batch 4 stopping at EOS, drafting over the gap in the shrinking tail cost 3-4% against
-vanilla (``ab_default_b4_*_mt-bench_spr.md``).  A step of more than ``falcon_max_batch`` requests is served the same
+attend over the gap, and a step where every request has one runs no drafter pass (``LookupState.gapped``)
+(what the gap cost before the rows were kept: ``docs/findings.md``).  A step of more than ``falcon_max_batch`` requests is served the same
 way with lookup drafts on: each request gets its lookup draft or nothing, no drafter pass runs, and the rows are kept.
 
 The drafter's own KV cache must still cover every verified token.  When every request of a step has a lookup

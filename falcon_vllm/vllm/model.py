@@ -67,11 +67,9 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
 
 def auto_gemm_dtype(amx: bool | None = None, vnni: bool | None = None,
                     avx512_bf16: bool | None = None) -> torch.dtype | None:
-    """``draft_gemm_dtype`` auto for an fp32 model on a CPU with these units (each not given: this CPU's).  The drafter's ten matmuls at 1-9
-    rows, streamed from memory on a 2-core AVX512-BF16 EPYC without AMX, took 0.77-0.85 of bf16's time in int8
-    and 1.5-1.6 times it in fp32 (``benchmarks/draft_gemm_dtypes.py``, ``draft_gemm_dtypes_avx512.md``); in vLLM
-    int8 drafted 0.08-0.19 ms a step faster than bf16 there and 0.9-1.3 ms on a 2-core AVX512-BF16 Xeon without
-    AMX.  With AMX, bf16 (measured faster than fp32 there; int8 unmeasured)."""
+    """``draft_gemm_dtype`` auto for an fp32 model on a CPU with these units (each not given: this CPU's): bf16
+    with AMX and AVX512-BF16, else int8 with VNNI, else bf16 with AVX512-BF16, else None (the model's dtype).  The
+    measurements behind each choice (``benchmarks/draft_gemm_dtypes.py``, same-run A/Bs): ``docs/findings.md``."""
     amx = torch.cpu._is_amx_tile_supported() if amx is None else amx
     vnni = torch.cpu._is_vnni_supported() if vnni is None else vnni
     avx512_bf16 = torch.cpu._is_avx512_bf16_supported() if avx512_bf16 is None else avx512_bf16
@@ -146,9 +144,9 @@ class CpuRMSNorm(nn.Module):
     """A drafter's RMSNorm through vLLM's C++ CPU kernels (``_C.rms_norm``, ``_C.fused_add_rms_norm``).
 
     vLLM's CPU platform runs RMSNorm through its PyTorch-native implementation, which torch.compile fuses; run
-    eagerly (``enforce_eager``, or a drafter vLLM does not compile) that is about 0.14 ms a call at a drafter's
-    few rows against 0.011 ms for the kernel (2-core EPYC, 576 channels); the shipped 2-layer drafter makes
-    three calls per pass.  Compiled, the kernel is an opaque op in the graph.  The same arithmetic (fp32 within
+    eagerly (``enforce_eager``, or a drafter vLLM does not compile) the native one costs many times the C++
+    kernel at a drafter's few rows (``docs/findings.md``); the shipped 2-layer drafter makes three calls per
+    pass.  Compiled, the kernel is an opaque op in the graph.  The same arithmetic (fp32 within
     1e-6 of the native one): drafts could differ only in a near-tie, verification not at all."""
 
     def __init__(self, norm: RMSNorm):

@@ -1,5 +1,5 @@
-"""The hall between tree mode's two rooms: paged KV-cache layouts, dense attention, and the one
-attention hook both rooms compute through.
+"""What tree mode's target side and drafter side share: paged KV-cache layouts, dense attention, and the one
+attention hook both compute through.
 
 Tree mode computes attention itself in two places: the target's tree rows
 (:class:`falcon_vllm.vllm.tree_verify.VerifyTreeAttention`) and the drafter's SAR tree passes

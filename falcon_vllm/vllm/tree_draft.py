@@ -1,4 +1,4 @@
-"""Tree mode, the drafter's room: the trees a step drafts, the drafter's SAR tree passes, and the
+"""Tree mode, the drafter's side: the trees a step drafts, the drafter's SAR tree passes, and the
 step state the proposer owns.
 
 :class:`TreeState` is all of tree mode's state.  The Falcon proposer owns it

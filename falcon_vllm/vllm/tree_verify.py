@@ -1,4 +1,4 @@
-"""Tree mode, the target's room: the decoding tree verified in one target pass of vLLM's V1 runner.
+"""Tree mode, the target's side: the decoding tree verified in one target pass of vLLM's V1 runner.
 
 A step of tree mode (the drafter's side is in :mod:`falcon_vllm.vllm.tree_draft` and
 :mod:`falcon_vllm.vllm.proposer`; the state is the proposer's :class:`~falcon_vllm.vllm.tree_draft.TreeState`):
@@ -62,8 +62,8 @@ def _attn_fn(q: torch.Tensor):
 # holding a longer query (a prefill chunk) runs the stock kernel and recomputes only the tree rows.
 MAX_CAUSAL_ROWS = 64
 # CPU tree attention: requests padded to at least this many rows use PyTorch's fused (tiled) attention;
-# fewer rows, batched matmuls (measured on a 2-core x86 CPU: 0.36-0.68x of SDPA's time up to 32 rows,
-# 1.9x at 119, where the [rows, keys] intermediates outgrow the cache)
+# fewer rows, batched matmuls (faster than SDPA at a few rows, slower once the [rows, keys] intermediates outgrow
+# the cache: the measurement is in docs/findings.md)
 SDPA_MIN_ROWS = 48
 
 
