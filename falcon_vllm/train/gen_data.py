@@ -31,7 +31,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from falcon_vllm.config import dir_name
+from falcon_vllm.train import vllm_data
 from falcon_vllm.train.answer_files import GENERATION, answers_meta, load_answers, save_answers, write_answers
+from falcon_vllm.train.gen_checks import check_options, shards_written
 from falcon_vllm.train.sharegpt import build_prompts, iter_sharegpt
 from falcon_vllm.train.turns import answer_turns, dataset_replies
 
@@ -193,7 +195,8 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
         batch_size: int = 8, shard_size: int = 32, max_prompt_tokens: int = 384, data: str | None = None,
         model=None, tokenizer=None, max_turns: int = 1, max_total_tokens: int = 1024, backend: str = "hf",
         skip_conversations: int = 0, answers: str | None = None, loss_from_turn: int = 1,
-        aux_layers: tuple[int, ...] = (), replies: str = "target"):
+        aux_layers: tuple[int, ...] = (), replies: str = "target", featurizer: str = "hf",
+        featurize_dtype: str = "auto", save_answers_to: str | None = None):
     """Write ``shard_*.safetensors`` + ``manifest.json`` into ``out_dir`` (resumable by shard).
 
     ``backend``: ``vllm`` answers every shard's prompts in one continuous-batching call; ``hf``
@@ -206,31 +209,35 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     ``loss_from_turn``: assistant turns before this one are context only (loss mask 0).
     ``aux_layers``: also store the residual stream entering each of these target layers (``aux``).
     ``replies``: ``target`` (the target answers, greedy) or ``data`` (the data's own first replies, featurized
-    without generating: ``dataset_replies``).
+    without generating: ``dataset_replies``).  ``featurizer``: ``vllm`` keeps the states while vLLM answers, in
+    ``featurize_dtype`` (:mod:`falcon_vllm.train.vllm_data`).  ``save_answers_to``: written after every shard.
     """
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    check_options(max_turns, loss_from_turn, replies, answers, backend)
+    check_options(max_turns, loss_from_turn, replies, answers, backend, featurizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     aux_layers = tuple(int(i) for i in aux_layers)
     tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
-    mdl = model or AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    if any(not 0 < i < mdl.config.num_hidden_layers for i in aux_layers):
-        raise ValueError(f"falcon-vllm: gen-data: --aux-layers must be in 1..{mdl.config.num_hidden_layers - 1} "
+    mdl = model or (AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+                    if featurizer == "hf" else None)  # vLLM's engine holds the target
+    cfg = mdl.config if mdl is not None else AutoConfig.from_pretrained(target_dir)
+    if any(not 0 < i < cfg.num_hidden_layers for i in aux_layers):
+        raise ValueError(f"falcon-vllm: gen-data: --aux-layers must be in 1..{cfg.num_hidden_layers - 1} "
                          f"(the target's layers), got {list(aux_layers)}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
-    manifest = {"target": dir_name(target_dir), "hidden_size": mdl.config.hidden_size,
+    fdtype = "float32" if featurizer == "hf" else vllm_data.featurize_dtype(featurize_dtype)
+    manifest = {"target": dir_name(target_dir), "hidden_size": cfg.hidden_size,
                 "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "skip_conversations": skip_conversations,
                 "backend": backend if replies == "target" else None,   # the data's replies: nothing generated
                 "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
-                "dtype": "bfloat16", "shards": [],
-                "generation": GENERATION[replies]}
+                "dtype": "bfloat16", "featurizer": featurizer, "featurize_dtype": fdtype, "shards": [],
+                "generation": GENERATION[replies], **({"last_row": vllm_data.LAST_ROW} if featurizer == "vllm" else {})}
     manifest["shards"] = shards_written(out_dir, manifest)
     done = {sh["file"] for sh in manifest["shards"]}
     stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
@@ -240,7 +247,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     job = Job(target_dir, mdl, tok, pad, eos, backend=backend, replies=replies, batch_size=batch_size,
               max_new_tokens=max_new_tokens, max_turns=max_turns, max_total_tokens=max_total_tokens,
               loss_from_turn=loss_from_turn, aux_layers=aux_layers, answers=answers, stored=stored,
-              stored_turns=stored_turns)
+              stored_turns=stored_turns, featurizer=featurizer, gen_dtype=fdtype if featurizer == "vllm" else "float32")
 
     paths = [out / f"shard_{si:05d}.safetensors" for si in range(len(shards))]
     todo = [not (p.exists() and p.name in done) for p in paths]  # shards this run writes
@@ -253,29 +260,19 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
             manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name] + [entry]
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            if save_answers_to:
+                save_answers(str(out), save_answers_to)
             bar.update(len(shard))
             gen_s = sum(sh.get("generate_s", 0) + sh.get("featurize_s", 0) for sh in manifest["shards"])
-            toks = sum(sh.get("answer_tokens", 0) for sh in manifest["shards"])
+            toks = [sum(sh.get(k, 0) for sh in manifest["shards"]) for k in ("answer_tokens", "tokens")]
             if gen_s:
-                bar.set_postfix(answer_tok_s=f"{toks / gen_s:.0f}")
+                bar.set_postfix(answer_tok_s=f"{toks[0] / gen_s:.1f}", featurized_tok_s=f"{toks[1] / gen_s:.1f}")
     bar.close()
+    if featurizer == "vllm" and job.generate is not None:
+        job.generate.close()
     manifest["shards"] = manifest["shards"][:len(shards)]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
-
-
-def check_options(max_turns: int, loss_from_turn: int, replies: str, answers: str | None, backend: str) -> None:
-    """Refuse gen-data options that do not go together (before the target is loaded)."""
-    if loss_from_turn < 1 or loss_from_turn > max_turns:
-        raise ValueError(f"falcon-vllm: gen-data: --loss-from-turn must be in 1..--max-turns ({max_turns}), "
-                         f"got {loss_from_turn}")
-    if replies not in GENERATION:
-        raise ValueError(f"falcon-vllm: gen-data: --replies must be 'target' or 'data', got {replies!r}")
-    if replies == "data" and (max_turns != 1 or answers):
-        raise ValueError("falcon-vllm: gen-data: --replies data featurizes the data's first replies only: "
-                         "it takes neither --max-turns above 1 nor --answers")
-    if backend not in ("hf", "vllm"):
-        raise ValueError(f"falcon-vllm: gen-data: backend must be 'hf' or 'vllm', got {backend!r}")
 
 
 def usable_prompts(tok, data: str | None, num_conversations: int | None, skip_conversations: int,
@@ -290,22 +287,6 @@ def usable_prompts(tok, data: str | None, num_conversations: int | None, skip_co
             break
     prompts, convs = build_prompts(tok, convs, max_prompt_tokens, return_convs=True)
     return prompts[skip_conversations:want], convs[skip_conversations:want]
-
-
-def shards_written(out_dir: str, manifest: dict) -> list[dict]:
-    """The manifest entries of the shards a run before wrote into ``out_dir`` (resume: their measured figures are
-    kept), after checking that it wrote them with the same ``--replies`` and ``--aux-layers`` as ``manifest``."""
-    out = Path(out_dir)
-    old = out / "manifest.json"
-    if not old.exists():
-        return []
-    written = json.loads(old.read_text())
-    # ``before``: what a directory written before the key holds
-    for key, flag, before in (("generation", "--replies", GENERATION["target"]), ("aux_layers", "--aux-layers", [])):
-        if written.get(key, before) != manifest[key]:
-            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other {flag} "
-                             f"({written.get(key, before)}); resume with the same ones or use a new --out")
-    return [sh for sh in written.get("shards", []) if (out / sh["file"]).exists()]
 
 
 @dataclass
@@ -330,7 +311,8 @@ class Job:
     stored_turns: int
     generate: Callable | None = None  # made at the first shard to generate; vLLM's engine is closed after each
     keep_engine: bool = False  # --answers-only: nothing is featurized, so the engine stays up between shards
-    gen_dtype: str = "float32"  # the dtype vLLM answers in (the features always come from the fp32 target)
+    gen_dtype: str = "float32"  # the dtype vLLM answers in (with featurizer hf the features come from the fp32 target)
+    featurizer: str = "hf"  # hf: a transformers fp32 prefill after answering; vllm: kept while answering
 
 
 def check_stored_prompts(stored, prompts: list, source: str, answers_path: str) -> None:
@@ -362,19 +344,38 @@ def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, c
                                       job.max_new_tokens, job.eos)
     elif generated:
         seqs, masks, generate_s = answer_shard(job, shard, prompts, convs, from_answers)
+    engine = vllm_engine(job) if job.featurizer == "vllm" else None  # its start-up is not featurizing
     t1 = time.time()
-    write_shard(path, featurize_batch(job.model, seqs, masks, aux_layers=job.aux_layers))
+    if engine is not None:  # the states the engine kept while answering (a prefill for the rest)
+        feats, zero_last, _ = vllm_data.capture_features(engine, seqs, generated)
+        write_shard(path, [Sample(torch.tensor(q, dtype=torch.int32), torch.tensor(m, dtype=torch.uint8), f, None,
+                                  f.shape[1] - f.shape[1] // (1 + len(job.aux_layers)))
+                           for q, m, f in zip(seqs, masks, feats)])
+    else:
+        write_shard(path, featurize_batch(job.model, seqs, masks, aux_layers=job.aux_layers))
     entry = {"file": path.name, "conversations": len(shard), "answer_tokens": sum(sum(m) for m in masks),
              "tokens": sum(len(q) for q in seqs), "generate_s": round(generate_s, 2) if generated else 0.0,
              "featurize_s": round(time.time() - t1, 2)}
     if from_answers:
         entry["from_answers"] = True
+    if job.featurizer == "vllm":
+        entry["last_row_zero"] = zero_last
     return entry
+
+
+def vllm_engine(job: Job):
+    """--featurizer vllm: the run's engine that answers and keeps the states (made once, kept up across shards)."""
+    if job.generate is None:
+        job.generate = vllm_data.capture_engine(job.target_dir, job.max_total_tokens + job.max_new_tokens, 128,
+                                                job.gen_dtype, job.aux_layers)
+    return job.generate
 
 
 def answer_shard(job: Job, shard: list[int], prompts: list, convs: list, from_answers: bool):
     """Tokens and masks of the shard's conversations with the target's answers (continuing the stored ones when
     ``from_answers``), and the seconds generating took (the engine's start-up not counted)."""
+    if job.generate is None and job.featurizer == "vllm":
+        vllm_engine(job)
     if job.generate is None:
         if job.backend == "vllm":
             from falcon_vllm.vllm.generate import VLLMGenerator  # only falcon_vllm.vllm imports vllm
@@ -394,7 +395,7 @@ def answer_shard(job: Job, shard: list[int], prompts: list, convs: list, from_an
                             job.loss_from_turn)
         seqs += s
         masks += m
-    if job.backend == "vllm" and not job.keep_engine:  # its threads would slow the prefill down: one per shard
+    if job.backend == "vllm" and not job.keep_engine and job.featurizer == "hf":  # its threads would slow the prefill down: one per shard
         job.generate.close()
         job.generate = None
     return seqs, masks, time.time() - t0
@@ -482,8 +483,9 @@ def add_arguments(p):
                    help="only answer (vLLM), growing this answers file shard by shard (resumable; no --out "
                         "needed): featurize it later with --answers FILE")
     p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the dtype vLLM answers in (bf16 is faster on CPUs with bf16 units); the features always "
-                        "come from the fp32 target")
+                   help="the dtype vLLM answers in (bf16 is faster on CPUs with bf16 units); with --featurizer hf "
+                        "the features come from the fp32 target")
+    vllm_data.add_arguments(p)
 
 
 def main(args):
@@ -505,7 +507,8 @@ def main(args):
     out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
               args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
               backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,
-              loss_from_turn=args.loss_from_turn, aux_layers=layer_list(args.aux_layers), replies=args.replies)
+              loss_from_turn=args.loss_from_turn, aux_layers=layer_list(args.aux_layers), replies=args.replies,
+              featurizer=args.featurizer, featurize_dtype=args.featurize_dtype, save_answers_to=args.save_answers)
     print(f"wrote {out}")
     if args.save_answers:
         print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")

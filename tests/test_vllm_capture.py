@@ -1,0 +1,91 @@
+"""The target's states captured inside vLLM (``gen-data --featurizer vllm``) against the transformers path, on a
+tiny random fp32 Llama: the combined answer + featurize pass and the prefill-only pass.
+
+Tolerance: the captured fp32 states equal transformers' fp32 states within 1e-4 (absolute; the states are of
+order 1 to 4, the measured gap is about 1e-6); stored in the shards as bf16, within one bf16 rounding step
+(2e-2 at these magnitudes).  The combined pass's last row of each conversation is zero: the answer's last
+token is never fed to the model (``falcon_vllm.train.vllm_data``)."""
+
+import json
+
+import pytest
+import torch
+
+from tests.vllm_util import save_target  # noqa: I001 (sets the in-process engine's environment first)
+from falcon_vllm.testing import tiny_llama
+from falcon_vllm.train.gen_data import load_shards
+
+AUX = (2, 1)  # out of order on purpose: the data keeps the order asked for
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = tiny_llama(vocab=49152, hidden=64, layers=3, heads=2, kv_heads=1, seed=5)
+    return model, save_target(model, str(tmp_path_factory.mktemp("capture") / "tiny"))
+
+
+@torch.inference_mode()
+def _hf_states(model, seq):
+    """transformers' fp32 states of ``seq`` as gen-data's HF path computes them (before its bf16 rounding)."""
+    o = model.base_model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    return torch.cat([o.last_hidden_state[0]] + [o.hidden_states[i][0] for i in AUX], -1)
+
+
+def test_captured_states_equal_transformers_with_chunked_prefill(tiny):
+    """Prompts longer than a step's token budget (chunked prefill: a prompt's rows arrive over several steps):
+    every captured row equals transformers' fp32 row, in the combined pass and in the prefill-only pass."""
+    from falcon_vllm.vllm.capture import CaptureEngine
+
+    model, path = tiny
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 49000, (n,), generator=g).tolist() for n in (5, 90, 33, 150)]
+    eng = CaptureEngine(path, 512, 8, dtype="float32", aux_layers=AUX, max_num_batched_tokens=64)
+    try:
+        answers = eng(prompts, 12)
+        seqs = [p + a for p, a in zip(prompts, answers)]
+        assert eng.rows == sum(len(s) - 1 for s in seqs)  # each position once, the last token never fed
+        for s in seqs:
+            got, ref = eng.take(s), _hf_states(model, s)
+            assert got.shape == ref.shape == (len(s), 3 * 64)
+            assert (got[:-1] - ref[:-1]).abs().max() < ATOL and not got[-1].any()
+        eng.forget()
+        eng.featurize(seqs)
+        for s in seqs:
+            assert (eng.take(s) - _hf_states(model, s)).abs().max() < ATOL
+    finally:
+        eng.close()
+
+
+def test_gen_data_featurizer_vllm_agrees_with_the_transformers_shards(tiny, tmp_path):
+    """gen-data --featurizer vllm answers and featurizes in one pass; the same answers featurized by transformers
+    (--answers, --featurizer hf) and by a prefill through vLLM (--answers, --featurizer vllm) give the same shards
+    within bf16 rounding; the manifest records the featurizer and its dtype; a resume with another refuses."""
+    from falcon_vllm.train import gen_data
+
+    model, path = tiny
+    convs = [{"conversations": [{"from": "human", "value": f"question {i} " * (1 + i % 4)},
+                                {"from": "gpt", "value": "a"}]} for i in range(5)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    kw = dict(data=str(tmp_path / "sg.json"), shard_size=3, backend="vllm", aux_layers=AUX)
+    ans = str(tmp_path / "answers.safetensors")
+    one = gen_data.run(path, str(tmp_path / "one"), 5, 10, featurizer="vllm", featurize_dtype="float32",
+                       save_answers_to=ans, **kw)
+    hf = gen_data.run(path, str(tmp_path / "hf"), 5, 10, answers=ans, model=model, **kw)
+    pre = gen_data.run(path, str(tmp_path / "pre"), 5, 10, answers=ans, featurizer="vllm",
+                       featurize_dtype="float32", **kw)
+    man = json.loads((one / "manifest.json").read_text())
+    assert (man["featurizer"], man["featurize_dtype"], man["aux_layers"]) == ("vllm", "float32", list(AUX))
+    assert sum(sh["last_row_zero"] for sh in man["shards"]) == 5
+    assert json.loads((hf / "manifest.json").read_text())["featurizer"] == "hf"
+    a, b, c = (load_shards(str(d)) for d in (one, hf, pre))
+    assert len(a) == len(b) == len(c) == 5
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.loss_mask, y.loss_mask) and x.loss_mask.any()
+        assert x.aux_width == y.aux_width == z.aux_width == 128
+        bf16_step = 2e-2 * y.features.float().abs().clamp(min=1)
+        assert ((x.features[:-1].float() - y.features[:-1].float()).abs() <= bf16_step[:-1]).all()
+        assert not x.features[-1].any()
+        assert ((z.features.float() - y.features.float()).abs() <= bf16_step).all()
+    with pytest.raises(ValueError, match="other --featurizer"):
+        gen_data.run(path, str(one), 5, 10, answers=ans, model=model, **kw)
