@@ -1,8 +1,14 @@
-"""Write ``benchmarks/results/INDEX.md``: one row per result page in ``benchmarks/results/``.
+"""Write ``benchmarks/results/INDEX.md``: the page that answers each standing question, then one row per current
+result (those outside ``archive/``).
 
     python benchmarks/results_index.py            # rewrite the index
     python benchmarks/results_index.py --check    # exit 1 if the index is stale (tests/test_docs.py runs this)
-    python benchmarks/results_index.py --archive  # move superseded results into archive/, then rewrite the index
+    python benchmarks/results_index.py --archive  # move every result no current page names into archive/ (git mv,
+                                                  # links fixed), then rewrite the index
+
+A result is current while the README, docs/ (the archive of findings aside), a model card or a benchmark script
+names it, or a current result page links to it; ``--archive`` moves the others, and any a newer run generation
+supersedes, into ``archive/``, which the index counts but does not list (docs/findings-archive.md names them).
 
 A result is a ``<name>.json`` (with its ``<name>.md`` page when there is one) or a ``<name>.md`` page without
 JSON. Each row gives:
@@ -18,10 +24,10 @@ JSON. Each row gives:
   top-1, soak verdicts, ...), else blank;
 - cited by: the README, docs/ pages and model cards that name the page (brace and ``*`` patterns such as
   ``ab_v6_b1_{mt-bench,gsm8k}.md`` count);
-- superseded by: the newest run generation of the same measurement: names that differ only in a ``_v<N>``
-  part (none counts as 1), e.g. ``ab_v3_b1_gsm8k`` -> ``ab_v6_b1_gsm8k``.
+- superseded: a newer run generation of the same measurement exists (names that differ only in a ``_v<N>``
+  part, none counting as 1, e.g. ``ab_v3_b1_gsm8k`` -> ``ab_v6_b1_gsm8k``).
 
-``--archive`` moves every superseded result (its JSON, page and plots) into ``archive/``; nothing is deleted.
+``--archive`` moves a result's JSON, page and plots; nothing is deleted.
 
 Fast: one ``git log`` for every date, one read of each JSON and of each citing page.
 """
@@ -48,6 +54,19 @@ MACHINE_SUFFIXES = {  # the machine a result's name ends in, for JSONs without a
     "spr": "Intel Sapphire Rapids", "h100": "NVIDIA H100",
 }
 CITING = ["README.md", "docs/*.md", "falcon_vllm/drafters/*/README.md"]
+HISTORY = "docs/findings-archive.md"  # names archived runs too: a page it alone names is not current
+SCRIPTS = ["benchmarks/*.py", "benchmarks/*.sh", "benchmarks/studies/*.py"]
+# the standing questions and the pages that answer them (paths under benchmarks/results, or repository-relative)
+QUESTIONS = [
+    ("What does the shipped default gain on SmolLM2-135M-Instruct, against EAGLE-1 and vLLM's n-gram (the README's "
+     "headline)?", "headline"),
+    ("What does Falcon gain on Qwen2.5-Coder-1.5B-Instruct (the README's table)?", ["qwen15_v2.md"]),
+    ("How does it compare with its peers on Qwen2.5-Coder-1.5B (EAGLE-1, n-gram, prompt lookup)?",
+     ["qwen15_v1_baselines.md", "qwen15_v2.md"]),
+    ("What ran on a GPU?", ["gpu/gpu_h100.md"]),
+    ("Which vLLM versions does the plugin fit?", ["vllm_surface_0.34.0.md", "vllm_surface_0.33.0.md"]),
+    ("What do all the measurements conclude?", ["../../docs/findings.md"]),
+]
 PREFIX_TOOLS = [  # name prefix -> tool, for results whose JSON names no command (first match wins)
     ("ab_arrivals", "ab_arrivals"), ("ab_", "ab_step"), ("heldout_eval", "heldout_eval"),
     ("training_ablation", "train_ablation"), ("training_", "falcon-vllm train"), ("learning_curves", "learning_curves"),
@@ -167,13 +186,15 @@ def _expand(pattern: str) -> list[str]:
     return [x for alt in m.group(1).split(",") for x in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
 
 
-def citations(stems: set[str]) -> dict[str, list[str]]:
-    """{result stem: the pages (relative paths) that name it}."""
+def citations(stems: set[str], history: bool = True) -> dict[str, list[str]]:
+    """{result stem: the pages (relative paths) that name it}; ``history=False`` leaves out the findings' archive."""
     cited: dict[str, list[str]] = {}
     token = re.compile(r"[\w.{},*/-]*?([\w{},*.-]+)\.(?:md|json|\{json,md\}|\{md,json\})")
     for spec in CITING:
         for page in sorted(glob.glob(os.path.join(REPO, spec))):
             rel = os.path.relpath(page, REPO)
+            if rel == HISTORY and not history:
+                continue
             text = open(page, encoding="utf-8").read()
             hits = set()
             for m in token.finditer(text):
@@ -203,20 +224,88 @@ def superseded(stems: list[str]) -> dict[str, str]:
     return out
 
 
-def archive(stems: list[str]) -> list[str]:
-    """Move every superseded result outside ``archive/`` (its .json, .md, .png and _accept/_speedup plots) there;
-    returns the stems moved."""
-    moved = []
-    for stem in sorted(superseded(stems)):
+LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+
+
+def current(stems: list[str]) -> set[str]:
+    """The top-level results that stay out of ``archive/``: named by the README, docs/ (not the findings' archive),
+    a model card or a benchmark script, or linked from such a result's page."""
+    top = {s for s in stems if "/" not in s}
+    keep = {s for s in citations(top, history=False) if s in top}
+    scripts = "\n".join(open(p, encoding="utf-8").read() for spec in SCRIPTS
+                         for p in glob.glob(os.path.join(REPO, spec)))
+    keep |= {s for s in top if re.search(rf"(?<![\w.-]){re.escape(s)}(?![\w-])", scripts)}
+    todo = list(keep)
+    while todo:  # pages a current page links to
+        page = os.path.join(RESULTS, todo.pop() + ".md")
+        if not os.path.exists(page):
+            continue
+        for _, target, _ in LINK.findall(open(page, encoding="utf-8").read()):
+            rel = os.path.relpath(os.path.normpath(os.path.join(RESULTS, target.split("#")[0])), RESULTS)
+            stem = re.sub(r"(_accept|_speedup)?\.(md|json|png)$", "", rel)
+            if stem in top and stem not in keep:
+                keep.add(stem)
+                todo.append(stem)
+    return keep
+
+
+def _move(src: str, dst: str, tracked: set[str]) -> None:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if os.path.relpath(src, REPO) in tracked:
+        subprocess.run(["git", "mv", src, dst], cwd=REPO, check=True)
+    else:
+        os.replace(src, dst)
+
+
+def _relink(moves: dict[str, str]) -> None:
+    """Fix the relative links of the README, docs/, the model cards and every result page after ``moves``
+    ({old path: new path}, absolute): a link to a moved file, and any link of a moved page."""
+    back = {new: old for old, new in moves.items()}
+    pages = [p for spec in CITING for p in glob.glob(os.path.join(REPO, spec))]
+    pages += glob.glob(os.path.join(RESULTS, "**", "*.md"), recursive=True)
+    for page in pages:
+        was = os.path.dirname(back.get(page, page))
+        text = open(page, encoding="utf-8").read()
+
+        def fix(m):
+            target, _, anchor = m.group(2).partition("#")
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or not target:
+                return m.group(0)
+            old = os.path.normpath(os.path.join(was, target))
+            new = moves.get(old, old)
+            if not os.path.exists(new):
+                return m.group(0)
+            rel = os.path.relpath(new, os.path.dirname(page)) + (f"#{anchor}" if anchor else "")
+            return m.group(1) + rel + m.group(3)
+
+        fixed = LINK.sub(fix, text)
+        if fixed != text:
+            with open(page, "w", encoding="utf-8") as f:
+                f.write(fixed)
+
+
+def archive(stems: list[str], keep: set[str] | None = None) -> list[str]:
+    """Move every superseded result outside ``archive/`` (its .json, .md, .png and _accept/_speedup plots) there,
+    and with ``keep`` every other top-level result not in it (git mv for tracked files; links fixed); returns the
+    stems moved."""
+    tracked = set(subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=REPO, capture_output=True,
+                                 text=True).stdout.split()) if keep is not None else set()
+    old = set(superseded(stems))
+    if keep is not None:
+        old |= {s for s in stems if "/" not in s and s not in keep}
+    moved, moves = [], {}
+    for stem in sorted(old):
         if stem.startswith(ARCHIVE + "/"):
             continue
         src = os.path.join(RESULTS, stem)
         dst = os.path.join(RESULTS, ARCHIVE, stem)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
         for suffix in (".json", ".md", ".png", "_accept.png", "_speedup.png"):
             if os.path.exists(src + suffix):
-                os.replace(src + suffix, dst + suffix)
+                _move(src + suffix, dst + suffix, tracked)
+                moves[src + suffix] = dst + suffix
         moved.append(stem)
+    if moves and keep is not None:
+        _relink(moves)
     return moved
 
 
@@ -236,8 +325,8 @@ def build() -> tuple[list[list[str]], list[bool]]:
     """The index's rows (cells), and for each whether its date is fixed (from the JSON or a commit)."""
     dates, _ = git_dates()
     today = datetime.date.today().isoformat()
-    stems = results()
-    cited = citations({os.path.basename(s) for s in stems})
+    stems = [s for s in results() if not s.startswith(ARCHIVE + "/")]
+    cited = citations({os.path.basename(s) for s in stems}, history=False)
     newer = superseded(stems)
     rows, fixed = [], []
     for stem in stems:
@@ -260,33 +349,42 @@ def build() -> tuple[list[list[str]], list[bool]]:
         name = os.path.basename(stem)
         by = ", ".join(cited.get(name, [])) or "-"
         cell = lambda s: s.replace("|", "/")
-        by_newer = f"[{newer[stem]}]({_page(newer[stem])})" if stem in newer else "-"
-        rows.append([day or today, f"[{stem}]({page})", cell(tool_of(name, data)), cell(machine_of(name, data)),
-                     cell(metric_of(data)), by, by_newer])
+        result = f"[{stem}]({page})" + (f" (superseded by [{newer[stem]}]({_page(newer[stem])}))"
+                                         if stem in newer else "")
+        rows.append([day or today, result, cell(tool_of(name, data)), cell(machine_of(name, data)),
+                     cell(metric_of(data)), by])
         fixed.append(known)
     return rows, fixed
 
 
-HEADER = ["date", "result", "tool", "machine", "metric", "cited by", "superseded by"]
+HEADER = ["date", "result", "tool", "machine", "metric", "cited by"]
 
 
 def _page(stem: str) -> str:
     return stem + (".md" if os.path.exists(os.path.join(RESULTS, stem + ".md")) else ".json")
 
 
+def _answers(pages) -> str:
+    if pages == "headline":  # the README's headline table: the runs benchmarks/headline.py names
+        from headline import RUNS
+        pages = [name + ".md" for _, name, _ in RUNS]
+    return ", ".join(f"[{os.path.splitext(os.path.basename(p))[0]}]({p})" for p in pages)
+
+
 def render(rows: list[list[str]]) -> str:
     cited = sum(r[5] != "-" for r in rows)
-    old = sum(r[6] != "-" for r in rows)
+    archived = sum(s.startswith(ARCHIVE + "/") for s in results())
     lines = ["# Results index", "",
-             "Generated by `python benchmarks/results_index.py` from the files in this folder (do not edit by hand; "
-             "`--check` tells whether it is current). One row per result, newest first: date (the JSON's, else the "
-             "file's last commit), the script that wrote it, the machine it ran on, its headline figure where the "
-             "layout is known (A/B: the shipped default's speedup, median pair / whole workload), the pages "
-             "that cite it, and the newer run generation that supersedes it (superseded results live in "
-             "`archive/`: `--archive` moves them there). The current headline runs are in the README's table; the reading of every run is in "
-             "[docs/findings.md](../../docs/findings.md).", "",
-             f"{len(rows)} results, {cited} cited by the README, docs/ or a model card, {old} superseded.", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+             "Generated by `python benchmarks/results_index.py` (do not edit by hand; `--check` tells whether it is "
+             "current). What the runs conclude: [docs/findings.md](../../docs/findings.md).", "",
+             "| question | the page that answers it |", "|---|---|"]
+    lines += [f"| {q} | {_answers(pages)} |" for q, pages in QUESTIONS]
+    lines += ["", f"Every current result, newest first: {len(rows)} results, {cited} of them cited by the README, "
+              "docs/ or a model card. Date: the JSON's, else the file's last commit; metric: the headline figure "
+              "where the layout is known (A/B: the shipped default's speedup, median pair / whole workload). "
+              f"`archive/` holds {archived} older results: runs a later one replaced, named in "
+              "[docs/findings-archive.md](../../docs/findings-archive.md).", "",
+              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     order = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1]), reverse=True)
     lines += ["| " + " | ".join(rows[i]) + " |" for i in order]
     return "\n".join(lines) + "\n"
@@ -306,10 +404,12 @@ def _masked(text: str, masked_results: set[str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if INDEX.md is not what this script would write")
-    p.add_argument("--archive", action="store_true", help="move superseded results into archive/ first")
+    p.add_argument("--archive", action="store_true",
+                   help="move every result no current page or script names into archive/ first")
     args = p.parse_args(argv)
     if args.archive and not args.check:
-        for stem in archive(results()):
+        stems = results()
+        for stem in archive(stems, keep=current(stems)):
             print(f"archived {stem}")
     rows, fixed = build()
     text = render(rows)
