@@ -77,3 +77,41 @@ def test_published_files_name_no_machine_paths():
                 if MACHINE_PATH.search(line):
                     found.append(f"{rel}:{n}")
     assert tracked and not found, f"machine paths in: {found[:20]}"
+
+
+def test_findings_are_short():
+    """docs/findings.md holds the current conclusions; the dated log lives in docs/findings-archive.md."""
+    assert _lines(os.path.join(REPO, "docs", "findings.md")) <= 300
+
+
+# a measured figure: a ratio (1.23x), a rate, a time, a share
+MEASUREMENT = re.compile(r"\d+(\.\d+)?x\b|tokens/s|\bms\b|\d+(\.\d+)? ?%")
+
+
+def test_module_docstrings_describe_code_not_measurements():
+    """Measurements belong in docs/findings.md and the result pages, where they carry their run; a module's docstring
+    says what the code does."""
+    import ast
+
+    modules = sorted(glob.glob(os.path.join(REPO, "falcon_vllm", "**", "*.py"), recursive=True))
+    found = []
+    for path in modules:
+        with open(path, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        found += [f"{os.path.relpath(path, REPO)}: {m.group(0)!r}" for m in MEASUREMENT.finditer(doc)]
+    assert len(modules) > 20 and not found, found
+    assert MEASUREMENT.search("ran 1.64x vanilla") and not MEASUREMENT.search("k=2 drafts 2 tokens")
+
+
+def test_current_results_stay_out_of_the_archive_and_the_rest_in_it():
+    """Every top-level result is one a current page or script names, and no newer run generation supersedes it
+    (``python benchmarks/results_index.py --archive`` moves the others)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import results_index
+    finally:
+        sys.path.pop(0)
+    stems = results_index.results()
+    top = {s for s in stems if "/" not in s}
+    stale = sorted(top - results_index.current(stems)) + sorted(set(results_index.superseded(stems)) & top)
+    assert top and not stale, f"results to move into archive/: {stale}"
