@@ -47,10 +47,13 @@ def serve(job: dict) -> dict:
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         speculator = getattr(runner, "speculator", None)
-        log = _record_drafts(speculator) if job.get("record_drafts") else None
+        log = None
+        if job.get("record_drafts"):
+            log = _record_drafts(speculator) if speculator is not None else _record_v1_drafts(runner)
         prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
-        params = SamplingParams(temperature=job.get("temperature", 0.0), seed=job.get("seed"),
-                                max_tokens=job["max_tokens"], ignore_eos=True)
+        n = job["max_tokens"]  # one for every prompt, or a list: one each
+        params = [SamplingParams(temperature=job.get("temperature", 0.0), seed=job.get("seed"), max_tokens=m,
+                                 ignore_eos=True) for m in (n if isinstance(n, list) else [n] * len(prompts))]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return {"runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
                 "bases": [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__[:3]],
@@ -78,9 +81,25 @@ def _record_drafts(speculator) -> list[dict]:
     return log
 
 
+def _record_v1_drafts(runner) -> list[dict]:
+    """The V1 runner's drafts per step, as the scheduler takes them (``take_draft_token_ids``), per request id."""
+    log, orig = [], runner.take_draft_token_ids
+
+    def take_draft_token_ids():
+        out = orig()
+        if out is not None:
+            log.append({r.rsplit("-", 1)[0]: [t for t in d if t >= 0]
+                        for r, d in zip(out.req_ids, out.draft_token_ids)})
+        return out
+
+    runner.take_draft_token_ids = take_draft_token_ids
+    return log
+
+
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if job.get("v2"):
         enable()

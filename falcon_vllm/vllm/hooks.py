@@ -97,7 +97,7 @@ def _create_speculative_config(orig):
                 "tensor_parallel_size instead")
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
-        eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid, recommend=not on_v2)
+        eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid, trees=not on_v2)
         if on_v2:
             check_v2(info)
         asked = getattr(self, "async_scheduling", None)

@@ -68,7 +68,7 @@ def install_runner_hook() -> bool:
                 return orig(vllm_config, device, req_states, *args, **kwargs)
             from falcon_vllm.vllm.v2.speculator import FalconSpeculator
 
-            return FalconSpeculator(vllm_config, device)
+            return FalconSpeculator(vllm_config, device, req_states)
 
         return init_speculator
 

@@ -10,10 +10,9 @@ drafter's hf_config and ``num_lookahead_tokens`` = K.  Falcon's own options go i
 
 :func:`falcon_vllm.vllm.options.resolve_falcon_config` validates them and resolves the drafter (a missing
 ``model`` picks a shipped drafter for the target) before the draft ``ModelConfig`` is built; the result is
-tagged on the drafter's ``hf_config.falcon``, as on V1.  Not available on V2 yet, each refused with its
-reason: tree mode, ragged drafts (prompt lookup, datastore, ``draft_confidence``), ``draft_temperature_scale``,
-level-embedding drafters.  The drafter's ``serving.json`` is not applied here (it was tuned for the V1 runner's
-modes): a chain is the drafter's 2k tokens unless ``num_speculative_tokens`` is given.
+tagged on the drafter's ``hf_config.falcon``, as on V1, and the drafter's ``serving.json`` applies as on V1
+(prompt lookup, the datastore, the schedule, sampled drafts; a tune-tree file there is not taken: no tree mode on
+V2 yet).  Refused with the reason (:mod:`falcon_vllm.vllm.v2.rules`): tree mode, level-embedding drafters.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class FalconSpeculatorConfig(EagleSpeculatorConfig):
             raise ValueError(f"falcon-vllm: {fields} are fields of the speculative config: give them beside "
                              "speculator_options, not in it")
         resolved, info = resolve_falcon_config({**given, **options}, spec.target_model_config.hf_config,
-                                               set(SPEC_FIELDS), recommend=False)  # serving.json: V1's modes
+                                               set(SPEC_FIELDS), trees=False)
         check_v2(info)
         for name, value in resolved.items():  # model, num_speculative_tokens and any vLLM key it filled in
             if name != "method":

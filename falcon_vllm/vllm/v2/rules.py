@@ -1,16 +1,13 @@
 """What Falcon on Model Runner V2 does not do yet, refused at start-up on every vLLM that runs V2 (no vLLM import).
 
-Used by the 0.34 speculator config (:mod:`falcon_vllm.vllm.v2.config`) and by the config hook on 0.32/0.33
-when ``VLLM_USE_V2_MODEL_RUNNER=1`` (:mod:`falcon_vllm.vllm.hooks`), so both runners refuse the same things with
-the same words.  Both resolve the options without the drafter's ``serving.json`` (``recommend=False``): it was
-tuned for the V1 runner's modes (prompt lookup, the datastore, trees, a draft temperature scale), so on V2 a
-chain is the drafter's 2k tokens unless ``num_speculative_tokens`` is given, and what this module refuses is only
-ever what the user asked for.
+Used by the 0.34 speculator config (:mod:`falcon_vllm.vllm.v2.config`), by the config hook on 0.32/0.33 when
+``VLLM_USE_V2_MODEL_RUNNER=1`` (:mod:`falcon_vllm.vllm.hooks`) and by the speculator itself, so every path refuses
+the same things with the same words.  Both config paths resolve the drafter's ``serving.json`` with
+``tree_mode=False``: a tune-tree file there (a tree tuned for the V1 runner) leaves the chain default on V2, while
+its chain form (prompt lookup, the datastore, the batch-size schedule, sampled drafts) is served as on V1.
 """
 
 from __future__ import annotations
-
-from falcon_vllm.vllm.options import ragged_drafts
 
 
 def check_v2(falcon: dict) -> None:
@@ -24,16 +21,28 @@ def check_v2(falcon: dict) -> None:
             "sampler and KV compaction are not ported yet (docs/vllm-0.34-port.md, section 4). Give a chain "
             "(num_speculative_tokens, no tree), or serve tree mode in vLLM 0.32/0.33's V1 runner "
             "(VLLM_USE_V2_MODEL_RUNNER unset)")
-    if (ragged := ragged_drafts(falcon)) is not None:
-        raise ValueError(
-            f"falcon-vllm: {ragged} gives requests drafts of different lengths, which the plugin does not yet pass "
-            "to Model Runner V2 (it schedules every request the same draft length). Drop it, or use vLLM 0.32/0.33's "
-            "V1 runner (VLLM_USE_V2_MODEL_RUNNER unset)")
-    if falcon.get("draft_temperature_scale", 1.0) != 1.0:
-        raise ValueError(
-            "falcon-vllm: draft_temperature_scale is not applied by the Model Runner V2 speculator yet (its sampled "
-            "drafts are drawn at the request's temperature). Drop it, or use vLLM 0.32/0.33's V1 runner")
     if falcon.get("level_embedding"):
         raise ValueError(
             "falcon-vllm: this drafter was trained with level embeddings, which the Model Runner V2 speculator does "
             "not feed yet. Use a drafter trained without --level-embedding, or vLLM 0.32/0.33's V1 runner")
+
+
+def check_block_rows(k: int, K: int, max_num_reqs: int, max_num_batched_tokens: int) -> None:
+    """A block pass lays out k rows per request in the drafter's buffers, which vLLM sizes to
+    ``max_num_batched_tokens``: a full batch must fit (a verification step needs only K + 1 rows a request)."""
+    if max_num_reqs * k > max_num_batched_tokens:
+        raise ValueError(
+            f"falcon-vllm: the drafter's block passes need max_num_seqs x k = {max_num_reqs} x {k} rows, more than "
+            f"max_num_batched_tokens ({max_num_batched_tokens}) that Model Runner V2 sizes the drafter's buffers to "
+            f"(K = {K}); raise max_num_batched_tokens or lower max_num_seqs")
+
+
+def check_data_parallel(vllm_config) -> None:
+    """The block passes run a different number of rows on each data-parallel rank without syncing them, which a
+    data-parallel MoE target (its experts' all-to-all across ranks) would wait on forever: refused."""
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "data_parallel_size", 1) > 1 and getattr(vllm_config.model_config, "is_moe", False):
+        raise ValueError(
+            f"falcon-vllm: data parallelism (data_parallel_size={parallel.data_parallel_size}) with a mixture-of-"
+            "experts target is not supported on Model Runner V2: the drafter's block passes do not sync their row "
+            "counts across ranks. Use tensor parallelism, or data_parallel_size 1")

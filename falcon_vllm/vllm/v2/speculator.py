@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -52,9 +52,12 @@ from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import TargetDependentARSpeculator
 from vllm.v1.worker.utils import AttentionGroup
 
-from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
+from falcon_vllm.vllm.drafting import SAMPLING_EPS, BlockInputs, FalconDrafting
 from falcon_vllm.vllm.live import falcon_section
 from falcon_vllm.vllm.model import wrap_gemms
+from falcon_vllm.vllm.options import check_async_scheduling
+from falcon_vllm.vllm.v2 import ragged
+from falcon_vllm.vllm.v2.rules import check_block_rows, check_data_parallel
 
 
 @dataclasses.dataclass
@@ -74,22 +77,51 @@ class _Step:
     skip_attn: bool  # a dummy run without attention metadata
 
 
+class StepPlan(NamedTuple):
+    """What one step drafts, decided before any drafter pass."""
+
+    K: int                          # the step's draft budget (0: drafting off)
+    lookup: list[list[int]] | None  # each request's prompt-lookup draft ([]: none), or None without lookup
+    chain: int                      # the drafter chain's length (0: no drafter chain this step)
+
+
+MASKED_LOGIT = -1e9  # a draft-logits entry with no probability (finite, so that no difference of two is NaN)
+
+
 class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
     """Falcon chain drafting on Model Runner V2 (built by vLLM's ``init_speculator``)."""
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, req_states: Any = None):
         super().__init__(vllm_config, device)
         falcon = falcon_section(self.draft_model_config)
         if falcon is None or "k" not in falcon:
             raise ValueError("falcon-vllm: the draft model has no Falcon section (hf_config.falcon): method "
                              "'falcon' needs a Falcon drafter, set up by FalconSpeculatorConfig")
         self.init_drafting(falcon)
+        if self.level_embedding:
+            raise ValueError("falcon-vllm: this drafter was trained with level embeddings, which the Model Runner V2 "
+                             "speculator does not feed yet; use a drafter trained without --level-embedding")
         self.num_query_per_req = self.k  # the runner's dummy run sizes a block pass by it
+        check_block_rows(self.k, self.num_speculative_steps, self.max_num_reqs,
+                         vllm_config.scheduler_config.max_num_batched_tokens)
+        check_data_parallel(vllm_config)
         self.init_stash(self.max_num_reqs, self.hidden_size, device, self.dtype, self.input_ids.dtype)
         self._pass_positions: torch.Tensor | None = None  # [B, k] the last block pass's positions
         # 0.34's sample_draft sizes its draft-logits cache by num_steps; 0.32/0.33's takes no such parameter
         self._draw_kwargs = ({"num_steps": self.num_speculative_steps}
                              if "num_steps" in inspect.signature(self.sample_draft).parameters else {})
+        # prompt lookup and the datastore read each request's tokens from the runner's request states
+        self.req_states = req_states
+        self.init_lookup()
+        if self.lookup is not None and req_states is None:
+            raise ValueError("falcon-vllm: prompt lookup on Model Runner V2 needs the runner's request states, which "
+                             "this vLLM does not hand to the speculator")
+        self.ragged = self.lookup is not None or bool(self.draft_confidence)
+        if self.ragged:  # per-request draft lengths go to the scheduler (ragged.py), which async scheduling skips
+            check_async_scheduling(falcon, vllm_config.scheduler_config.async_scheduling)
+        # this step's draft length per request id (ragged drafts: read by the runner's draft-token hand-off)
+        self.step_lengths: dict[str, int] | None = None
+        ragged.register(self)
 
     # the drafting core's input rows are V2's drafter buffers (hidden_states is TargetDependentARSpeculator's)
     @property
@@ -110,10 +142,10 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         if not hasattr(model, "attach_falcon_proposer"):
             raise ValueError(f"falcon-vllm: the draft model is {type(model).__name__}, not the Falcon drafter "
                              "(EagleFalconForCausalLM): give a Falcon drafter directory as model")
-        if model.truncated and self.use_draft_logits:
-            raise ValueError("falcon-vllm: draft_sample_method 'probabilistic' with a truncated draft vocabulary "
-                             "(d2t) is not ported to vLLM 0.34 yet (its draft logits are over the draft ids): use "
-                             "greedy drafts, a drafter with the full vocabulary, or vLLM 0.32/0.33")
+        # sampled drafts from a truncated head are drawn over the target's vocabulary (compute_draft_logits)
+        self._target_space = self.draft_logits is not None and bool(model.truncated)
+        if self._target_space:
+            self._draft_vocab_ids = model.to_target_ids(torch.arange(model.d2t.numel(), device=model.d2t.device))
         wrap_gemms(model)  # draft_gemm_dtype
         model.attach_falcon_proposer()  # lifts its guard against being run by stock EAGLE
         return model
@@ -153,7 +185,9 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         is_profile: bool = False,
         num_speculative_tokens: int | None = None,
     ) -> torch.Tensor:
-        """Draft tokens [num_reqs, K] (int64; -1 past a step's ``num_speculative_tokens``)."""
+        """Draft tokens [num_reqs, K] (int64; -1 past each request's draft: a step's ``num_speculative_tokens``,
+        or, with prompt lookup or ``draft_confidence``, its own length, which :mod:`~falcon_vllm.vllm.v2.ragged`
+        hands to the scheduler)."""
         K = self.num_speculative_steps if num_speculative_tokens is None else num_speculative_tokens
         # the chunk pass; it leaves the shifted chunk in the drafter's input rows and each request's last chunk
         # row in last_token_indices
@@ -162,14 +196,77 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
                         dp_sync_state, dummy_run, skip_attn_for_dummy_run, mm_inputs, is_profile,
                         num_speculative_tokens=0)
         B = input_batch.num_reqs
-        if K == 0:
-            return self.draft_tokens[:B]  # filled with -1 by the chunk pass
-        max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:B].max())
-        self.draft_max_seq_len = min(max_seq_len + K, self.max_model_len)
         step = _Step(input_batch, dummy_run, skip_attn=dummy_run and skip_attn_for_dummy_run)
-        drafts = self.draft_step(step, K, input_batch.num_tokens, self.last_token_indices[:B], B, _Draws(K))
-        self.draft_tokens[:B, :drafts.shape[1]] = drafts
-        return self.draft_tokens[:B]
+        last = self.last_token_indices[:B]
+        self.step_lengths = None
+        plan = self.plan_step(step, K, num_sampled, B)
+        if plan.chain == 0:  # no drafter chain this step: the relaxed block's rows still go to the stash
+            self._relaxed_block_inputs(step, last.long(), B)
+            self.skipped_steps += K == 0
+            return self._finish(step, plan, None, B)
+        max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:B].max())
+        self.draft_max_seq_len = min(max_seq_len + plan.chain, self.max_model_len)
+        chain = self.draft_step(step, plan.chain, input_batch.num_tokens, last, B, _Draws(plan.chain))
+        return self._finish(step, plan, chain, B)
+
+    def plan_step(self, step: _Step, K: int, num_sampled: torch.Tensor, B: int) -> StepPlan:
+        """This step's drafts before any drafter pass: its budget ``K``, each request's prompt-lookup draft, and the
+        length of the drafter's chain (0: no drafter chain)."""
+        if K == 0 or step.dummy_run or self.lookup is None:
+            return StepPlan(K, None, K)
+        lk = self.lookup
+        idx = step.input_batch.idx_mapping[:B]
+        total = self.req_states.total_len.gpu[idx].cpu().numpy()
+        tokens = self.req_states.all_token_ids.gpu[idx, :int(total.max())].cpu().numpy()
+        decoding = num_sampled[:B].cpu().numpy() > 0  # a partial prefill samples nothing: no draft
+        req_ids = list(step.input_batch.req_ids[:B])
+        drafts = lk.draft(req_ids, tokens, total, None, decoding, K, self.max_model_len)
+        lk.drafts, lk.withheld = drafts, [False] * B
+        lk.lookup_only = lk.falcon_max_batch is not None and B > lk.falcon_max_batch
+        matched = all(drafts)
+        chain = 0 if matched or lk.lookup_only else self.chain_budget(K)
+        if lk.lookup_only:
+            self.lookup_only_steps += 1
+        lk.withheld = [lk.lookup_only] * B
+        return StepPlan(K, drafts, chain)
+
+    def _finish(self, step: _Step, plan: StepPlan, chain: torch.Tensor | None, B: int) -> torch.Tensor:
+        """The step's drafts into ``draft_tokens`` [B, K], -1 past each request's; its lengths where ragged."""
+        out = self.draft_tokens[:B]
+        out.fill_(-1)
+        if chain is not None and chain.shape[1]:
+            out[:, :chain.shape[1]] = chain
+        if not self.ragged or step.dummy_run or plan.K == 0:
+            return out
+        lengths = [chain.shape[1] if chain is not None else 0] * B
+        if self.draft_lengths is not None:  # draft_confidence: each chain cut where the drafter loses confidence
+            lengths = list(self.draft_lengths)
+            self.draft_lengths = None
+        if plan.lookup is not None:
+            lk = self.lookup
+            for i, d in enumerate(plan.lookup):
+                if d:
+                    out[i, :len(d)] = torch.tensor(d, dtype=out.dtype, device=out.device)
+                    self._point_mass(step, i, d)
+                    lengths[i] = len(d)
+                elif lk.withheld[i]:
+                    lengths[i] = 0
+            lk.lookup_drafts += sum(1 for d in plan.lookup if d)
+            lk.falcon_drafts += sum(1 for d, w in zip(plan.lookup, lk.withheld) if not d and not w)
+            lk.drafts = lk.withheld = None
+        for i, n in enumerate(lengths):
+            out[i, n:] = -1
+        self.step_lengths = dict(zip(step.input_batch.req_ids[:B], lengths))
+        return out
+
+    def _point_mass(self, step: _Step, i: int, draft: list[int]) -> None:
+        """A lookup draft is a point-mass proposal: its columns of the draft-logits cache (sampled drafts) say so."""
+        if self.draft_logits is None:
+            return
+        row = self.draft_logits[int(step.input_batch.idx_mapping[i])]
+        cols = torch.arange(len(draft), device=row.device)
+        row[:len(draft)] = MASKED_LOGIT
+        row[cols, torch.tensor(draft, device=row.device)] = 0.0
 
     def _prefill(self, num_reqs: int, num_tokens: int, attn_metadata: dict[str, Any] | None,
                  slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
@@ -236,6 +333,26 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
             **self._draw_kwargs,
         )
         draws.column += k
+        if conf is not None:  # draft_confidence: the drafter's probability of each drawn token
+            p = self._last_logits.float().softmax(-1).gather(1, drawn.view(-1, 1).long())
+            conf.append(torch.ones(B, k, device=rows.device).index_put_(
+                (torch.arange(B, device=rows.device)[:, None], torch.arange(m, device=rows.device)[None]),
+                p.view(B, m)))
         out = torch.full((B, k), -1, dtype=torch.int64, device=rows.device)
-        out[:, :m] = self.model.to_target_ids(drawn).view(B, m)
+        out[:, :m] = (drawn if self._target_space else self.model.to_target_ids(drawn)).view(B, m)
         return out
+
+    def compute_draft_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        """The drafter's logits for ``sample_draft``.  Sampled drafts (a draft-logits cache): divided by
+        ``draft_temperature_scale`` (the cache holds logits before the request's temperature, so draws at s x T and
+        the rejection sampler's proposal agree), and a truncated head's spread over the target's vocabulary
+        (``MASKED_LOGIT`` outside the draft vocabulary), so that the draws and the cache are in target ids."""
+        logits = self.model.compute_logits(hidden_states)
+        if self.draft_logits is not None:
+            if self.draft_temperature_scale != 1.0:
+                logits = logits / self.draft_temperature_scale
+            if self._target_space:
+                full = logits.new_full((logits.shape[0], self.draft_logits.shape[-1]), MASKED_LOGIT)
+                logits = full.index_copy_(1, self._draft_vocab_ids, logits)
+        self._last_logits = logits
+        return logits
