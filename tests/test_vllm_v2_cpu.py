@@ -94,8 +94,9 @@ def test_falcon_chain_on_v2_matches_v1_and_reference_drafts(ckpts, v1_tokens, dr
 
 
 def test_v2_refuses_what_it_does_not_serve(ckpts, monkeypatch):
-    """With VLLM_USE_V2_MODEL_RUNNER=1 on 0.32, tree mode and ragged drafts are refused when the config is built,
-    naming V1 as the way to serve them; a chain passes that check (V2 then needs Triton, refused by vLLM here)."""
+    """With VLLM_USE_V2_MODEL_RUNNER=1 on 0.32, tree mode is refused when the config is built, naming V1 as the way
+    to serve it; a chain, prompt lookup and draft_confidence pass the plugin's checks (V2 then needs Triton, refused
+    by vLLM here)."""
     from vllm.engine.arg_utils import EngineArgs
 
     import falcon_vllm
@@ -110,13 +111,29 @@ def test_v2_refuses_what_it_does_not_serve(ckpts, monkeypatch):
 
     with pytest.raises(ValueError, match="falcon-vllm: tree mode .* does not run on Model Runner V2"):
         build(tree=[[0], [1], [0, 0]])
-    with pytest.raises(ValueError, match=r"falcon-vllm: prompt lookup \(prompt_lookup_max\) gives requests drafts"):
-        build(num_speculative_tokens=4, prompt_lookup_max=3)
-    with pytest.raises(ValueError, match="falcon-vllm: draft_confidence gives requests drafts"):
-        build(num_speculative_tokens=4, draft_confidence=0.5)
-    with pytest.raises(Exception, match="Model Runner V2 requires Triton") as chain:
-        build(num_speculative_tokens=4)
-    assert "falcon-vllm" not in str(chain.value)  # passed the plugin's checks; stopped by vLLM's own V2 check
+    for falcon in ({"num_speculative_tokens": 4}, {"num_speculative_tokens": 4, "prompt_lookup_max": 3},
+                   {"num_speculative_tokens": 4, "draft_confidence": 0.5}):
+        with pytest.raises(Exception, match="Model Runner V2 requires Triton") as chain:
+            build(**falcon)
+        assert "falcon-vllm" not in str(chain.value)  # passed the plugin's checks; stopped by vLLM's own V2 check
+
+
+def test_v2_refuses_unsafe_block_rows_and_dp_moe():
+    """A block pass needs max_num_seqs x k rows in buffers of max_num_batched_tokens; a data-parallel MoE target
+    would wait on the block passes' unsynced row counts: both refused with the reason."""
+    from types import SimpleNamespace
+
+    from falcon_vllm.vllm.v2.rules import check_block_rows, check_data_parallel
+
+    check_block_rows(k=2, K=4, max_num_reqs=256, max_num_batched_tokens=2048)
+    with pytest.raises(ValueError, match="block passes need max_num_seqs x k = 256 x 8 rows"):
+        check_block_rows(k=8, K=2, max_num_reqs=256, max_num_batched_tokens=2000)
+    cfg = lambda dp, moe: SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp),  # noqa: E731
+                                          model_config=SimpleNamespace(is_moe=moe))
+    check_data_parallel(cfg(2, False))
+    check_data_parallel(cfg(1, True))
+    with pytest.raises(ValueError, match="data parallelism .* mixture-of-experts"):
+        check_data_parallel(cfg(2, True))
 
 
 @pytest.mark.slow
@@ -151,14 +168,16 @@ def test_falcon_chain_on_v2_samples_losslessly(tmp_path_factory):
     assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c  # both branches of the rejection sampler ran
 
 
-def test_v2_serves_the_shipped_default_as_a_plain_chain(monkeypatch):
-    """The shipped SmolLM2 drafter's serving.json asks for prompt lookup, the datastore and sampled drafts at a
-    draft temperature scale, none of which V2 serves: on V2 it is not applied, so the bare config is the drafter's
-    chain of 2k tokens, not a refusal of options the user never gave."""
+def test_v2_takes_the_shipped_serving_json_but_not_its_tree(monkeypatch):
+    """On V2 the shipped SmolLM2 drafter's serving.json applies as on V1 (prompt lookup, the datastore, the schedule,
+    sampled drafts at its draft temperature scale); a tune-tree serving.json (the Qwen2.5-Coder-1.5B drafter's) is
+    not taken there, so its bare config is the chain default instead of a refusal of a tree the user never gave."""
     from vllm.engine.arg_utils import EngineArgs
 
     import falcon_vllm
     from falcon_vllm.models import model_path
+    from falcon_vllm.schema import FalconOptions
+    from falcon_vllm.vllm.options import DRAFTERS_DIR, with_recommendation
 
     falcon_vllm.register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -175,6 +194,72 @@ def test_v2_serves_the_shipped_default_as_a_plain_chain(monkeypatch):
         args.create_engine_config()
     (spec,) = built
     falcon = spec.draft_model_config.hf_config.falcon
-    assert falcon["mode"] == "chain" and "prompt_lookup" not in falcon and "datastore" not in falcon
-    assert "draft_temperature_scale" not in falcon
-    assert spec.num_speculative_tokens == 2 * falcon["k"] and spec.draft_sample_method != "probabilistic"
+    assert falcon["mode"] == "chain" and falcon["prompt_lookup"] == [2, 4] and falcon["datastore"]
+    assert falcon["falcon_tokens"] == 2 and falcon["draft_temperature_scale"] == 0.6
+    assert spec.num_speculative_tokens == 8 and spec.draft_sample_method == "probabilistic"
+    assert spec.num_speculative_tokens_per_batch_size
+    qwen = str(DRAFTERS_DIR / "qwen2.5-coder-1.5b-instruct")
+    bare = FalconOptions()
+    assert with_recommendation(bare, qwen, trees=False) == bare
+    assert with_recommendation(bare, qwen).tree is not None  # V1 takes the tune-tree file
+
+
+SHIPPED_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [7, 8, 9], [504, 314, 42, 79, 504, 314],
+                   [11, 12, 13, 14]]
+
+
+@pytest.mark.slow
+def test_v2_serves_the_shipped_default_step_by_step_as_v1():
+    """The bare shipped default on SmolLM2 (``{"method": "falcon", "model": "falcon"}``: serving.json's prompt
+    lookup, datastore, per-batch-size schedule and chain of 2) on 0.32's V2: greedy tokens identical to vanilla V1,
+    and every step's drafts, per request, equal to the V1 runner's (both drive one drafting core).  Four requests
+    draft nothing while the schedule says batch 4 drafts none; the long one then drafts alone, so a step with zero
+    drafts is followed by drafting steps, whose drafts must still be V1's.  Drafts are greedy here: the Triton
+    interpreter cannot run V2's draft Gumbel kernel with its logits cache (``_gumbel_sample_kernel``,
+    ``mask has unsupported dtype``); sampled drafts' inputs are tested in test_v2_sampled_draft_logits."""
+    from falcon_vllm.models import model_path
+
+    target = str(model_path())
+    job = {"model": target, "prompts": SHIPPED_PROMPTS, "max_tokens": [20, 6, 6, 6]}
+    vanilla = _run(job)["tokens"]
+    spec = {"method": "falcon", "model": "falcon", "draft_sample_method": "greedy"}
+    v1 = _run({**job, "record_drafts": True, "speculative_config": spec})
+    v2 = _run({**job, "record_drafts": True, "v2": True, "speculative_config": spec})
+    assert v2["speculator"] == "FalconSpeculator" and v1["speculator"] is None
+    assert v1["tokens"] == vanilla and v2["tokens"] == vanilla
+    assert v2["drafts"] == v1["drafts"] and v2["counters"] == v1["counters"]
+    long = v2["drafts"][0]
+    assert long[:4] == [[]] * 4 and all(long[6:])  # batch 4 drafts nothing; alone, every step drafts
+    assert {len(d) for d in long} >= {0, 2, 4}  # chains of 2 beside lookup drafts of 4: ragged per request
+
+
+def test_v2_sampled_draft_logits():
+    """What V2's rejection sampler is handed for sampled drafts (the cache holds logits before the request's
+    temperature T): the drafter's logits over ``draft_temperature_scale`` s, so a draw at T from the cache is the
+    drafter at s x T; a truncated head's logits spread over the target vocabulary (no probability outside the draft
+    vocabulary); a lookup draft's columns a point mass at its tokens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from falcon_vllm.vllm.v2.speculator import FalconSpeculator
+
+    V, ids = 12, torch.tensor([0, 3, 5, 7, 11])
+    raw = torch.randn(4, len(ids))
+    me = SimpleNamespace(model=SimpleNamespace(compute_logits=lambda h: raw), draft_logits=torch.zeros(2, 3, V),
+                         draft_temperature_scale=0.5, _target_space=True, _draft_vocab_ids=ids)
+    logits = FalconSpeculator.compute_draft_logits(me, torch.zeros(4, 8))
+    T = 0.7
+    p = (logits / T).softmax(-1)
+    assert torch.allclose(p[:, ids], (raw / (0.5 * T)).softmax(-1), atol=1e-6)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[ids] = False
+    assert float(p[:, outside].max()) == 0.0
+    me.draft_logits, me._target_space = None, False  # greedy drafts: the logits as they are
+    assert torch.equal(FalconSpeculator.compute_draft_logits(me, torch.zeros(4, 8)), raw)
+    cache = torch.zeros(2, 3, V)
+    me = SimpleNamespace(draft_logits=cache)
+    step = SimpleNamespace(input_batch=SimpleNamespace(idx_mapping=torch.tensor([1, 0])))
+    FalconSpeculator._point_mass(me, step, 0, [4, 9])
+    q = (cache[1, :2] / T).softmax(-1)
+    assert q[0, 4] == 1.0 and q[1, 9] == 1.0 and torch.equal(cache[0], torch.zeros(3, V))
