@@ -43,7 +43,10 @@ from harness.paths import RESULTS, drafters_for, portable_text  # noqa: E402
 from harness.report import write_report  # noqa: E402
 
 
-def run(args) -> list[dict]:
+def run(args, keep: dict | None = None) -> list[dict]:
+    """Build the engines, time the alternating generations, return one row per configuration and batch size.
+    ``keep`` (a dict), when given, receives the engines (``engines``: label -> LLM, still running) and every timed
+    generation's outputs (``outputs``: label -> per pair, the list of vLLM's ``RequestOutput``)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -61,6 +64,8 @@ def run(args) -> list[dict]:
         raise SystemExit(f"falcon-vllm: --turn {args.turn}: {args.dataset} questions have fewer turns")
     history = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
     labels, engines, switch, step_count = build_engines(args, model, max(args.batch_sizes))
+    if keep is not None:
+        keep["engines"] = engines
     base = labels[0]
     turns = [[chat(h) for h in history]]  # turns[t]: each conversation's prompt at turn t + 1
     for t in range(1, last):  # later turns: the conversation so far, with the baseline's greedy answers
@@ -93,6 +98,8 @@ def run(args) -> list[dict]:
                 t0 = time.perf_counter()
                 o = [x for turn in batch for x in engines[c].generate(turn, sp, use_tqdm=False)]
                 secs[c].append(time.perf_counter() - t0)
+                if keep is not None:
+                    keep.setdefault("outputs", {}).setdefault(c, []).append(o)
                 steps[c] += step_count[c][0] - before
                 drafting[c] += step_count[c][1] - draft_before
                 outs[c].append([list(x.outputs[0].token_ids) for x in o])
@@ -154,6 +161,12 @@ def write(args, rows) -> None:
 
 def main(argv=None, prog: str | None = None, description: str | None = None, defaults: dict | None = None) -> None:
     """Parse ``argv`` (``prog``, ``description`` and ``defaults`` let ``falcon-vllm bench`` present it), run, write."""
+    args = parse(argv, prog, description, defaults)
+    write(args, run(args))
+
+
+def parse(argv=None, prog: str | None = None, description: str | None = None, defaults: dict | None = None):
+    """The command line's options, checked (``falcon-vllm bench`` and ``falcon-vllm demo`` parse theirs here too)."""
     p = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="vanilla,chain:2",
@@ -203,7 +216,7 @@ def main(argv=None, prog: str | None = None, description: str | None = None, def
                          "lengths and a pair would not time equal work; leave EOS ignored")
     if len(args.configs) < 2:
         raise SystemExit("falcon-vllm: --configs needs a baseline and at least one configuration to compare")
-    write(args, run(args))
+    return args
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ of different lengths (MT-Bench first turns).
 """
 
 import os
+import re
 
 import pytest
 
@@ -140,15 +141,19 @@ def test_shipped_drafter_tree_mode_greedy_identical(prompts, vanilla, batch):
 
 @pytest.mark.slow
 def test_demo_command(capsys):
-    """`make demo` (the README's first command), shortened: vanilla and falcon agree and tau is reported."""
+    """`make demo` (the README's first command), shortened: vanilla and falcon agree, and the speedup it prints is
+    its tokens per step over its step cost."""
     from falcon_vllm import cli
 
-    rc = cli.main(["demo", "--questions", "1", "--max-tokens", "24"])
+    rc = cli.main(["demo", "--questions", "1", "--pairs", "2", "--max-tokens", "24"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "greedy outputs identical: True" in out
-    tau = float(out.split("tau ")[1].split()[0])
+    falcon = next(line for line in out.splitlines() if line.startswith("falcon  :"))
+    tau = float(falcon.split(" tokens per step")[0].split(", ")[-1])
     assert 1.0 <= tau <= 5.0
+    m = re.search(r"speedup : ([\d.]+)x over the whole run = ([\d.]+)x the tokens per step / ([\d.]+) step cost", out)
+    assert m and abs(float(m[1]) - float(m[2]) / float(m[3])) < 0.02, out
 
 
 @pytest.mark.parametrize("gemm", ["bfloat16", "int8", "model"])
