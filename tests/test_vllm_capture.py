@@ -32,19 +32,21 @@ def _hf_states(model, seq):
     return torch.cat([o.last_hidden_state[0]] + [o.hidden_states[i][0] for i in AUX], -1)
 
 
-def test_captured_states_equal_transformers_with_chunked_prefill(tiny):
-    """Prompts longer than a step's token budget (chunked prefill: a prompt's rows arrive over several steps):
-    every captured row equals transformers' fp32 row, in the combined pass and in the prefill-only pass."""
+def test_captured_states_equal_transformers_with_chunked_prefill_and_preemption(tiny):
+    """Prompts longer than a step's token budget (chunked prefill: a prompt's rows arrive over several steps) and a
+    KV cache of 3 blocks for 6 requests (preemption: requests computed again from the start): every captured row
+    equals transformers' fp32 row, in the combined pass and in the prefill-only pass."""
     from falcon_vllm.vllm.capture import CaptureEngine
 
     model, path = tiny
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 49000, (n,), generator=g).tolist() for n in (5, 90, 33, 150)]
-    eng = CaptureEngine(path, 512, 8, dtype="float32", aux_layers=AUX, max_num_batched_tokens=64)
+    prompts = [torch.randint(10, 49000, (n,), generator=g).tolist() for n in (5, 90, 33, 150, 100, 120)]
+    eng = CaptureEngine(path, 256, 8, dtype="float32", aux_layers=AUX, max_num_batched_tokens=64,
+                        num_gpu_blocks_override=3)
     try:
-        answers = eng(prompts, 12)
+        answers = eng(prompts, 40)
         seqs = [p + a for p, a in zip(prompts, answers)]
-        assert eng.rows == sum(len(s) - 1 for s in seqs)  # each position once, the last token never fed
+        assert eng.rows > sum(len(s) - 1 for s in seqs)  # some rows were computed twice: preempted requests
         for s in seqs:
             got, ref = eng.take(s), _hf_states(model, s)
             assert got.shape == ref.shape == (len(s), 3 * 64)

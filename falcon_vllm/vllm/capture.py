@@ -144,13 +144,14 @@ class CaptureEngine:
     """An in-process vLLM engine (prefix caching off, eager) whose forward passes keep the target's states."""
 
     def __init__(self, target_dir: str, max_model_len: int, max_num_seqs: int = 128, dtype: str = "bfloat16",
-                 aux_layers: tuple[int, ...] = (), max_num_batched_tokens: int | None = None):
+                 aux_layers: tuple[int, ...] = (), max_num_batched_tokens: int | None = None, **llm_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", all_cores_bind())
         from vllm import LLM
 
         kw = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
+        kw.update(llm_kwargs)
         self.llm = LLM(model=str(target_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                        max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False, **kw)
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
