@@ -352,6 +352,9 @@ def manifest(pm=patches) -> list[Entry]:
     if runner:
         out += [Entry("instance", runner, a, "instance") for a in getattr(pm, "RUNNER_ATTRS", ())]
         out += [Entry("instance", INPUT_BATCH, a, "instance") for a in getattr(pm, "INPUT_BATCH_ATTRS", ())]
+    for owner, names, kind, optional in getattr(pm, "V2_READS", ()):  # Model Runner V2's speculator
+        section = "instance" if kind == "instance" else "read"
+        out += [Entry(section, owner, n, kind, optional=optional, why="Model Runner V2") for n in names]
     impls = [p for p in pm.PATCHES if p.name == "forward" and ":" in p.owner]
     for p in impls:
         out += [Entry("instance", p.owner, a, "instance", optional=p.optional) for a in getattr(pm, "IMPL_ATTRS", ())]

@@ -2,8 +2,10 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from falcon_vllm.serving import Serving
 from falcon_vllm.vllm.drafting import PADDING_SLOT_ID, FalconDrafting
 
 H, BS = 4, 4  # hidden size, KV block size
@@ -18,7 +20,7 @@ class FakeDrafter(FalconDrafting):
         self.positions = torch.zeros(rows, dtype=torch.int64)
         self.hidden_states = torch.zeros(rows, H)
         self.device, self.block_size, self.max_model_len = torch.device("cpu"), BS, 64
-        self.init_drafting({"k": k})
+        self.init_drafting(Serving(k=k))
         self.init_stash(4, H, "cpu", torch.float32, torch.int64)
         self.fuse_chunk = True
         self.layouts = []
@@ -127,3 +129,25 @@ def test_draft_confidence_stops_the_chain_and_cuts_each_draft():
     chain = _step(prop, [(0, 0, 4), (1, 0, 4)], torch.tensor([[0, 1], [2, 3]]))
     assert prop.cut(chain) == [[1002, 1003], []]  # 0.9 * 0.8 * 0.6 < 0.5: two tokens; 0.4: none
     assert prop.passes == 2                        # request 0's draft still went on after the first block
+
+
+def test_ngram_draft_is_vllms_ngram_draft():
+    """The plugin's n-gram matcher (vLLM 0.34 dropped the V1 one the plugin used) gives vLLM 0.32's drafts: the
+    longest repeated suffix, its first occurrence, cut at k and at max_model_len; on random short sequences over
+    small vocabularies, where suffixes repeat often."""
+    import numpy as np
+
+    ngram = pytest.importorskip("vllm.v1.spec_decode.ngram_proposer")
+    from falcon_vllm.vllm.lookup import ngram_draft
+
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(3000):
+        T, V = int(rng.integers(0, 40)), int(rng.integers(2, 6))
+        tokens = rng.integers(0, V, T).astype(np.int32)
+        lo = int(rng.integers(1, 4))
+        hi, k, L = int(rng.integers(lo, 7)), int(rng.integers(1, 9)), int(rng.integers(T, T + 10))
+        ours = ngram_draft(tokens, lo, hi, L, k).tolist()
+        assert ours == ngram._find_longest_matched_ngram_and_propose_tokens(tokens, lo, hi, L, k).tolist()
+        found += bool(ours)
+    assert found > 1000

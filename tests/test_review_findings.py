@@ -95,10 +95,11 @@ def test_stash_reports_every_drop_of_pending_rows():
 
 
 def _falcon_runner(lookup, proposed: bool, req_ids=("x", "y")):
+    from falcon_vllm.serving import Serving
     from falcon_vllm.vllm.proposer import FalconProposer
 
     prop = FalconProposer.__new__(FalconProposer)          # the attributes the runner hooks read
-    prop.falcon, prop.lookup, prop.proposed, prop.tree_state = {"k": 2}, lookup, proposed, None
+    prop.falcon, prop.lookup, prop.proposed, prop.tree_state = Serving(k=2), lookup, proposed, None
     prop._stash, prop._pending_blocks = BlockInputStash(4, k=2, hidden_size=H, device="cpu", dtype=torch.float32), {}
     batch = SimpleNamespace(req_ids=list(req_ids), logprob_token_ids={})
     runner = SimpleNamespace(drafter=prop, input_batch=batch, requests={r: None for r in req_ids})

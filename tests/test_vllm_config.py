@@ -352,6 +352,11 @@ def test_shipped_schedule_follows_this_cpu():
     assert shipped["num_speculative_tokens_per_batch_size_by_cpu"]["AVX512"][0] == [1, 3, 8]
 
 
+def _ngrams(falcon: dict) -> tuple:
+    """The prompt-lookup n-gram bounds a drafter's hf_config.falcon carries."""
+    return falcon["prompt_lookup_min"], falcon["prompt_lookup_max"]
+
+
 def test_prompt_lookup_options(dirs, tmp_path):
     """prompt_lookup_min/max (vLLM's ngram options) turn on prompt lookup first, the drafter's chain otherwise; a
     missing bound takes the other's value (as for ngram); a drafter's serving.json may recommend it, and
@@ -362,22 +367,22 @@ def test_prompt_lookup_options(dirs, tmp_path):
                         "prompt_lookup_min": 2, "prompt_lookup_max": 3, "falcon_tokens": 2}).speculative_config
     f = sc.draft_model_config.hf_config.falcon
     assert sc.num_speculative_tokens == 4 and f["mode"] == "chain"
-    assert f["prompt_lookup"] == [2, 3] and f["falcon_tokens"] == 2 and f["lookup_tokens"] == 4
+    assert _ngrams(f) == (2, 3) and f["drafter_tokens"] == 2 and f["lookup_tokens"] == 4
     f = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 3,
                        "prompt_lookup_max": 3}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["prompt_lookup"] == [3, 3] and f["falcon_tokens"] == 3 and f["lookup_tokens"] == 3
+    assert _ngrams(f) == (3, 3) and f["drafter_tokens"] == 3 and f["lookup_tokens"] == 3
     f = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 8,
                        "prompt_lookup_max": 3, "lookup_tokens": 4}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["lookup_tokens"] == 4 and f["falcon_tokens"] == 8
+    assert f["lookup_tokens"] == 4 and f["drafter_tokens"] == 8
     chain = tmp_path / "chain"
     shutil.copytree(dirs / "good", chain)
     (chain / "serving.json").write_text(json.dumps({"num_speculative_tokens": 8, "falcon_tokens": 2,
                                                     "lookup_tokens": 4, "prompt_lookup_min": 2,
                                                     "prompt_lookup_max": 4}))
     f = _config(dirs, {"method": "falcon", "model": str(chain)}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2 and f["lookup_tokens"] == 4
+    assert _ngrams(f) == (2, 4) and f["drafter_tokens"] == 2 and f["lookup_tokens"] == 4
     sc = _config(dirs, {"method": "falcon", "model": str(chain), "prompt_lookup_max": 0}).speculative_config
-    assert sc.num_speculative_tokens == 8 and "prompt_lookup" not in sc.draft_model_config.hf_config.falcon
+    assert sc.num_speculative_tokens == 8 and "prompt_lookup_max" not in sc.draft_model_config.hf_config.falcon
     f = _config(dirs, {"method": "falcon", "model": str(chain), "num_speculative_tokens": 2}
                 ).speculative_config.draft_model_config.hf_config.falcon
     assert "prompt_lookup" not in f  # an explicit chain replaces the whole recommendation
@@ -395,7 +400,7 @@ def test_datastore_option(dirs, tmp_path):
     Datastore.from_answers([[1, 2, 3, 4], [2, 3, 5]]).save(str(ds))
     look = {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     f = _config(dirs, {**look, "datastore": str(ds)}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["datastore"] == str(ds) and f["prompt_lookup"] == [3, 3] and "datastore_tokens" not in f
+    assert f["datastore"] == str(ds) and _ngrams(f) == (3, 3) and "datastore_tokens" not in f
     f = _config(dirs, {**look, "datastore": str(ds), "datastore_tokens": 2}
                 ).speculative_config.draft_model_config.hf_config.falcon
     assert f["datastore_tokens"] == 2 and "datastore_max_batch" not in f
@@ -424,14 +429,14 @@ def test_datastore_option(dirs, tmp_path):
                                                   "datastore": "datastore.npz", "datastore_tokens": 3,
                                                   "datastore_max_batch": 1}))
     f = _config(dirs, {"method": "falcon", "model": str(rec)}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["datastore"] == str(rec / "datastore.npz") and f["prompt_lookup"] == [2, 4] and f["datastore_tokens"] == 3
+    assert f["datastore"] == str(rec / "datastore.npz") and _ngrams(f) == (2, 4) and f["datastore_tokens"] == 3
     assert f["datastore_max_batch"] == 1
     f = _config(dirs, {"method": "falcon", "model": str(rec), "datastore": False}
                 ).speculative_config.draft_model_config.hf_config.falcon
-    assert "datastore" not in f and f["prompt_lookup"] == [2, 4]
+    assert "datastore" not in f and _ngrams(f) == (2, 4)
     f = _config(dirs, {"method": "falcon", "model": str(rec), "datastore": str(ds)}
                 ).speculative_config.draft_model_config.hf_config.falcon
-    assert f["datastore"] == str(ds) and f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2
+    assert f["datastore"] == str(ds) and _ngrams(f) == (2, 4) and f["drafter_tokens"] == 2
     with pytest.raises(ValueError, match="looked up with prompt lookup"):  # no recommendation to take lookup from
         _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "datastore": str(ds)})
 
@@ -443,9 +448,9 @@ def test_falcon_max_batch_option(dirs, tmp_path):
 
     look = {"method": "falcon", "model": str(dirs / "good"), "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     f = _config(dirs, look).speculative_config.draft_model_config.hf_config.falcon
-    assert "falcon_max_batch" not in f
+    assert "drafter_max_batch" not in f
     f = _config(dirs, {**look, "falcon_max_batch": 3}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["falcon_max_batch"] == 3 and f["prompt_lookup"] == [3, 3]
+    assert f["drafter_max_batch"] == 3 and _ngrams(f) == (3, 3)
     for bad in ({**look, "falcon_max_batch": -1}, {**look, "falcon_max_batch": True},
                 {**look, "falcon_max_batch": "3"}):
         with pytest.raises(ValueError, match="falcon_max_batch must be an integer >= 0"):
@@ -459,10 +464,10 @@ def test_falcon_max_batch_option(dirs, tmp_path):
                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4,
                                                   "falcon_max_batch": 3}))
     f = _config(dirs, {"method": "falcon", "model": str(rec)}).speculative_config.draft_model_config.hf_config.falcon
-    assert f["falcon_max_batch"] == 3 and f["prompt_lookup"] == [2, 4] and f["falcon_tokens"] == 2
+    assert f["drafter_max_batch"] == 3 and _ngrams(f) == (2, 4) and f["drafter_tokens"] == 2
     f = _config(dirs, {"method": "falcon", "model": str(rec), "falcon_max_batch": 1}
                 ).speculative_config.draft_model_config.hf_config.falcon
-    assert f["falcon_max_batch"] == 1 and f["prompt_lookup"] == [2, 4]
+    assert f["drafter_max_batch"] == 1 and _ngrams(f) == (2, 4)
 
 
 def test_draft_confidence_option(dirs):
@@ -473,7 +478,7 @@ def test_draft_confidence_option(dirs):
     assert f["draft_confidence"] == 0.1 and f["mode"] == "chain"
     f = _config(dirs, {**chain, "draft_confidence": 0.2, "prompt_lookup_max": 3}
                 ).speculative_config.draft_model_config.hf_config.falcon
-    assert f["draft_confidence"] == 0.2 and f["prompt_lookup"] == [3, 3]
+    assert f["draft_confidence"] == 0.2 and _ngrams(f) == (3, 3)
     assert "draft_confidence" not in _config(dirs, {**chain, "draft_confidence": 0}
                                              ).speculative_config.draft_model_config.hf_config.falcon
     for bad in (1, 1.0, -0.1, True, "0.1", [0.1]):
@@ -488,6 +493,9 @@ def test_ragged_drafts_turn_async_scheduling_off(dirs):
     cannot take. Left to vLLM (None: on a GPU it would turn async scheduling on for the EAGLE plumbing), the plugin
     turns it off before vLLM builds the scheduler config; asked for explicitly, it is one clear error; a plain chain
     or tree leaves it as given."""
+    from dataclasses import replace
+
+    from falcon_vllm.serving import Lookup, Serving
     from falcon_vllm.vllm.options import check_async_scheduling
 
     good = {"method": "falcon", "model": str(dirs / "good")}
@@ -504,11 +512,12 @@ def test_ragged_drafts_turn_async_scheduling_off(dirs):
         ea.create_engine_config()
         assert ea.async_scheduling is None
     # the rule itself, as the proposer applies it to a config built without the hook
-    assert check_async_scheduling({"prompt_lookup": [2, 4]}, None) is False
-    assert check_async_scheduling({"prompt_lookup": [2, 4]}, False) is False
-    assert check_async_scheduling({"mode": "chain"}, True) is True
+    look = Serving(k=2, lookup=Lookup(2, 4, drafter_tokens=2, lookup_tokens=4))
+    assert check_async_scheduling(look, None) is False
+    assert check_async_scheduling(look, False) is False
+    assert check_async_scheduling(Serving(k=2), True) is True
     with pytest.raises(ValueError, match="prompt lookup .* and draft_confidence"):
-        check_async_scheduling({"prompt_lookup": [2, 4], "draft_confidence": 0.1}, True)
+        check_async_scheduling(replace(look, draft_confidence=0.1), True)
 
 
 def test_tree_mode_takes_piecewise_cuda_graphs(dirs, monkeypatch):
@@ -527,14 +536,17 @@ def test_tree_mode_takes_piecewise_cuda_graphs(dirs, monkeypatch):
     ea.create_engine_config()  # the CPU platform captures no graphs: nothing set
     assert ea.compilation_config.cudagraph_mode is None
     # the rule, as the hook and the proposer's start-up guard apply it
-    assert check_cudagraph_mode({"mode": "tree"}, None) == CUDAGraphMode.PIECEWISE
-    assert check_cudagraph_mode({"mode": "tree"}, CUDAGraphMode.NONE) == CUDAGraphMode.NONE
-    assert check_cudagraph_mode({"mode": "tree"}, "piecewise") == CUDAGraphMode.PIECEWISE
-    assert check_cudagraph_mode({"mode": "chain"}, CUDAGraphMode.FULL) == CUDAGraphMode.FULL
-    assert check_cudagraph_mode({"mode": "tree"}, CUDAGraphMode.FULL, enforce_eager=True) == CUDAGraphMode.FULL
+    from falcon_vllm.serving import Serving
+
+    TREE, CHAIN = Serving(k=2, mode="tree"), Serving(k=2)
+    assert check_cudagraph_mode(TREE, None) == CUDAGraphMode.PIECEWISE
+    assert check_cudagraph_mode(TREE, CUDAGraphMode.NONE) == CUDAGraphMode.NONE
+    assert check_cudagraph_mode(TREE, "piecewise") == CUDAGraphMode.PIECEWISE
+    assert check_cudagraph_mode(CHAIN, CUDAGraphMode.FULL) == CUDAGraphMode.FULL
+    assert check_cudagraph_mode(TREE, CUDAGraphMode.FULL, enforce_eager=True) == CUDAGraphMode.FULL
     for full in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, "full"):
         with pytest.raises(ValueError, match="tree mode needs the target's attention outside CUDA graphs"):
-            check_cudagraph_mode({"mode": "tree"}, full)
+            check_cudagraph_mode(TREE, full)
     # the hook on a platform that captures graphs: only the speculative config is built (the rest of the engine
     # config would need the GPU)
     monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
@@ -592,7 +604,7 @@ def test_new_and_old_key_names_give_the_same_engine_config(dirs):
     old = _config(dirs, {**base, "falcon_tokens": 2, "falcon_max_batch": 3, "falcon_k": 2})
     f_new = new.speculative_config.draft_model_config.hf_config.falcon
     assert f_new == old.speculative_config.draft_model_config.hf_config.falcon
-    assert f_new["falcon_tokens"] == 2 and f_new["falcon_max_batch"] == 3
+    assert f_new["drafter_tokens"] == 2 and f_new["drafter_max_batch"] == 3
     with pytest.raises(ValueError, match="drafter_k=3 but the drafter"):
         _config(dirs, {**base, "drafter_k": 3})
     with pytest.raises(ValueError, match="are the same key; give one"):

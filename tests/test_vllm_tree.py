@@ -468,9 +468,9 @@ def test_tree_config_errors(ckpts):
     hf = ckpts["rnd"].config
     d = str(ckpts["dir"] / "rnd_k2")
     sc, info = resolve_falcon_config({"model": d, "tree": "falcon-llama"}, hf, {"model", "num_speculative_tokens"})
-    assert info["mode"] == "tree" and sc["num_speculative_tokens"] == 118 and len(info["tree"]) == 118
+    assert info.mode == "tree" and sc["num_speculative_tokens"] == 118 and len(info.tree) == 118
     sc, info = resolve_falcon_config({"model": d, "tree": "chain-6"}, hf, {"model", "num_speculative_tokens"})
-    assert info["mode"] == "chain" and sc["num_speculative_tokens"] == 6
+    assert info.mode == "chain" and sc["num_speculative_tokens"] == 6
     with pytest.raises(ValueError, match="disagrees"):
         resolve_falcon_config({"model": d, "tree": "falcon-llama", "num_speculative_tokens": 5}, hf,
                               {"model", "num_speculative_tokens"})
@@ -521,13 +521,13 @@ def test_tune_tree_file_becomes_a_batch_size_schedule(ckpts, tmp_path):
     f = _tuned_file(tmp_path / "t.json")
     valid = {"model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
     sc, info = resolve_falcon_config({"model": str(ckpts["dir"] / "rnd_k3"), "tree": f}, ckpts["rnd"].config, valid)
-    assert sc["num_speculative_tokens"] == 40 and info["mode"] == "tree"
+    assert sc["num_speculative_tokens"] == 40 and info.mode == "tree"
     assert sc["num_speculative_tokens_per_batch_size"] == [[1, 2, 40], [3, 5, 12], [6, 1 << 20, 0]]
-    assert sorted(map(int, info["subtrees"])) == [12, 40]
+    assert sorted(map(int, info.subtrees)) == [12, 40]
     # a fit that found speculation unprofitable everywhere: tree mode with K = 0 at every batch size
     import json
     none = tmp_path / "none.json"
     none.write_text(json.dumps({"paths": [[0]], "by_batch_size": {"1": {"paths": []}, "8": {"paths": []}}}))
     sc, info = resolve_falcon_config({"model": str(ckpts["dir"] / "rnd_k3"), "tree": str(none)}, ckpts["rnd"].config,
                                      valid)
-    assert info["mode"] == "tree" and sc["num_speculative_tokens_per_batch_size"] == [[1, 7, 0], [8, 1 << 20, 0]]
+    assert info.mode == "tree" and sc["num_speculative_tokens_per_batch_size"] == [[1, 7, 0], [8, 1 << 20, 0]]

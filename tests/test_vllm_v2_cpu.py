@@ -194,8 +194,8 @@ def test_v2_takes_the_shipped_serving_json_but_not_its_tree(monkeypatch):
         args.create_engine_config()
     (spec,) = built
     falcon = spec.draft_model_config.hf_config.falcon
-    assert falcon["mode"] == "chain" and falcon["prompt_lookup"] == [2, 4] and falcon["datastore"]
-    assert falcon["falcon_tokens"] == 2 and falcon["draft_temperature_scale"] == 0.6
+    assert falcon["mode"] == "chain" and (falcon["prompt_lookup_min"], falcon["prompt_lookup_max"]) == (2, 4)
+    assert falcon["datastore"] and falcon["drafter_tokens"] == 2 and falcon["draft_temperature_scale"] == 0.6
     assert spec.num_speculative_tokens == 8 and spec.draft_sample_method == "probabilistic"
     assert spec.num_speculative_tokens_per_batch_size
     qwen = str(DRAFTERS_DIR / "qwen2.5-coder-1.5b-instruct")

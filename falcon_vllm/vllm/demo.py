@@ -62,17 +62,18 @@ def _drafter(target: str, drafter: str | None) -> str:
 
 def _how(llm) -> str:
     """What the Falcon engine drafts, in words."""
+    from falcon_vllm.vllm.live import falcon_section
+
     sc = llm.llm_engine.vllm_config.speculative_config
-    info = sc.draft_model_config.hf_config.falcon
-    if info.get("mode") == "tree":
-        return f"tree {info.get('tree_name')} ({sc.num_speculative_tokens} nodes)"
-    if info.get("prompt_lookup"):
-        lo, hi = info["prompt_lookup"]
-        K, L = sc.num_speculative_tokens, info.get("lookup_tokens", sc.num_speculative_tokens)
+    serving = falcon_section(sc.draft_model_config)
+    if serving.mode == "tree":
+        return f"tree {serving.tree_name} ({sc.num_speculative_tokens} nodes)"
+    if (lk := serving.lookup) is not None:
+        K, L = sc.num_speculative_tokens, lk.lookup_tokens
         size = f"{L} to {K} tokens, adaptive" if L < K else f"up to {K} tokens"
-        return (f"prompt lookup ({lo}-{hi}-grams, {size}) first, "
-                + ("then the target's stored answers (datastore), " if info.get("datastore") else "")
-                + f"the drafter's chain of {info['falcon_tokens']} otherwise")
+        return (f"prompt lookup ({lk.prompt_lookup_min}-{lk.prompt_lookup_max}-grams, {size}) first, "
+                + ("then the target's stored answers (datastore), " if lk.datastore else "")
+                + f"the drafter's chain of {lk.drafter_tokens} otherwise")
     return f"chain K={sc.num_speculative_tokens}"
 
 

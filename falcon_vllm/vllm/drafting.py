@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from falcon_vllm.datastore import Datastore
+from falcon_vllm.serving import Serving
 from falcon_vllm.vllm import lookup
 from falcon_vllm.vllm.lookup import LookupState
 from falcon_vllm.vllm.stash import BlockInputStash
@@ -98,14 +99,14 @@ class BlockPass:
 class FalconDrafting:
     """The drafting algorithm and its state; see the module docstring for what a subclass provides."""
 
-    def init_drafting(self, falcon: dict | None) -> None:
-        """The options and counters of the drafter's ``falcon`` section (None: not a Falcon drafter)."""
+    def init_drafting(self, falcon: Serving | None) -> None:
+        """The options and counters of the drafter's serving options (None: not a Falcon drafter)."""
         self.falcon = falcon
-        self.k = int(falcon["k"]) if falcon else 1
+        self.k = falcon.k if falcon else 1
         # block_order "reversed": a block's last row outputs level 1 (FalconDrafter.forward's level_order)
-        self.reversed_blocks = bool(falcon) and falcon.get("block_order", "forward") == "reversed"
+        self.reversed_blocks = bool(falcon) and falcon.block_order == "reversed"
         # level embedding: each pass tells the drafter its rows' offsets inside their k-blocks (_set_offsets)
-        self.level_embedding = bool(falcon) and bool(falcon.get("level_embedding"))
+        self.level_embedding = bool(falcon) and falcon.level_embedding
         self.steps = 0   # steps that drafted tokens
         self.passes = 0  # drafter passes that produced draft tokens (relaxed block + block passes)
         self.skipped_steps = 0  # steps with no drafts scheduled (the runner's fast path skipped drafting)
@@ -116,9 +117,9 @@ class FalconDrafting:
         self.tree_state = None  # tree mode's state (tree_draft.TreeState)
         self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
         # sampled drafts (draft_sample_method "probabilistic"): the drafter's temperature over the request's
-        self.draft_temperature_scale = float((falcon or {}).get("draft_temperature_scale", 1.0))
+        self.draft_temperature_scale = falcon.draft_temperature_scale if falcon else 1.0
         # draft_confidence: a chain draft stops where the drafter's probability of it so far falls below this
-        self.draft_confidence = float((falcon or {}).get("draft_confidence", 0.0))
+        self.draft_confidence = falcon.draft_confidence if falcon else 0.0
         self.proposed = False  # the runner asked for this step's drafts (set by the runner hook)
         self.draft_lengths: list[int] | None = None  # this step's chain lengths under draft_confidence
         self.last_confidence: torch.Tensor | None = None  # [B, K]: the drafter's probability of each chain token
@@ -140,14 +141,11 @@ class FalconDrafting:
 
     def init_lookup(self) -> None:
         """Prompt lookup (and its datastore) from the ``falcon`` section, when it asks for it."""
-        f = self.falcon
-        if f.get("prompt_lookup"):
-            lo, hi = f["prompt_lookup"]
-            store = f.get("datastore")
-            self.lookup = LookupState(lo, hi, f["falcon_tokens"], f.get("lookup_tokens"),
-                                      Datastore.load(store).build() if store else None,
-                                      f.get("datastore_tokens"), f.get("datastore_max_batch"),
-                                      f.get("falcon_max_batch"))
+        f = self.falcon.lookup
+        if f is not None:
+            self.lookup = LookupState(f.prompt_lookup_min, f.prompt_lookup_max, f.drafter_tokens, f.lookup_tokens,
+                                      Datastore.load(f.datastore).build() if f.datastore else None,
+                                      f.datastore_tokens, f.datastore_max_batch, f.drafter_max_batch)
             lookup.warm_up()
 
     def init_stash(self, max_batch: int, hidden_size: int, device, dtype, ids_dtype) -> None:

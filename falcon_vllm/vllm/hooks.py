@@ -82,7 +82,7 @@ def _create_speculative_config(orig):
         from vllm.config import SpeculativeConfig
         from vllm.logger import init_logger
 
-        from falcon_vllm.vllm.options import check_async_scheduling, ragged_drafts, resolve_falcon_config
+        from falcon_vllm.vllm.options import check_async_scheduling, resolve_falcon_config
         from falcon_vllm.vllm.v2.rules import check_v2
 
         runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
@@ -97,12 +97,12 @@ def _create_speculative_config(orig):
                 "tensor_parallel_size instead")
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
-        eagle_sc, info = resolve_falcon_config(merged, target_model_config.hf_config, valid, trees=not on_v2)
+        eagle_sc, serving = resolve_falcon_config(merged, target_model_config.hf_config, valid, trees=not on_v2)
         if on_v2:
-            check_v2(info)
+            check_v2(serving)
         asked = getattr(self, "async_scheduling", None)
-        async_scheduling = check_async_scheduling(info, asked)
-        graphs = _cudagraph_mode(self, info)
+        async_scheduling = check_async_scheduling(serving, asked)
+        graphs = _cudagraph_mode(self, serving)
         saved = {name: getattr(self, name, None) for name in ("spec_method", "spec_model", "spec_tokens")}
         self.speculative_config = eagle_sc
         for name in saved:
@@ -117,15 +117,15 @@ def _create_speculative_config(orig):
         if DRAFTER_ARCH not in archs:
             patches.fail(f"the EAGLE plumbing resolved the drafter to {archs}, not {DRAFTER_ARCH}")
         hf = spec.draft_model_config.hf_config
-        hf.falcon = dict(getattr(hf, "falcon", None) or {}, **info)
+        hf.falcon = dict(getattr(hf, "falcon", None) or {}, **serving.section())
         log = init_logger("falcon_vllm")
         log.info("falcon-vllm: method falcon -> vLLM's EAGLE plumbing with drafter %s (k=%s, K=%d, %s mode%s)",
-                 spec.draft_model_config.model, hf.falcon.get("k"), spec.num_speculative_tokens,
-                 hf.falcon.get("mode"), f", tree {hf.falcon['tree_name']}" if "tree_name" in hf.falcon else "")
+                 spec.draft_model_config.model, serving.k, spec.num_speculative_tokens,
+                 serving.mode, f", tree {serving.tree_name}" if serving.tree_name else "")
         if async_scheduling is not asked:  # read by create_engine_config's SchedulerConfig, built after this
             self.async_scheduling = async_scheduling
             log.info("falcon-vllm: async scheduling off: %s gives requests drafts of different lengths, which vLLM's "
-                     "async scheduler cannot take", ragged_drafts(info))
+                     "async scheduler cannot take", serving.ragged)
         if graphs is not None:  # copied into the VllmConfig after this returns (create_engine_config)
             self.compilation_config = copy.deepcopy(self.compilation_config)  # not the user's object
             self.compilation_config.cudagraph_mode = graphs
@@ -139,7 +139,7 @@ def _create_speculative_config(orig):
     return create_speculative_config
 
 
-def _cudagraph_mode(engine_args, info: dict):
+def _cudagraph_mode(engine_args, serving):
     """The cudagraph_mode to set on ``engine_args`` for a resolved Falcon config, None to leave it (an explicit
     full mode in tree mode raises).  Only where the platform captures CUDA graphs: elsewhere vLLM runs none."""
     from vllm.platforms import current_platform
@@ -149,7 +149,7 @@ def _cudagraph_mode(engine_args, info: dict):
     if not current_platform.support_static_graph_mode():
         return None
     mode = engine_args.compilation_config.cudagraph_mode  # EngineArgs.__post_init__ made it a CompilationConfig
-    wanted = check_cudagraph_mode(info, mode, bool(getattr(engine_args, "enforce_eager", False)))
+    wanted = check_cudagraph_mode(serving, mode, bool(getattr(engine_args, "enforce_eager", False)))
     return wanted if mode is None else None  # only a setting the user left to vLLM is chosen here
 
 

@@ -19,13 +19,17 @@ def proposer_class(cls: type) -> type:
     return cls
 
 
-def falcon_section(draft_model_config) -> dict | None:
-    """A copy of the draft config's Falcon section (``hf_config.falcon``, tagged by the plugin's config set-up), or
-    None: no draft model, or not a Falcon drafter."""
+def falcon_section(draft_model_config):
+    """The draft config's serving options (:class:`~falcon_vllm.serving.Serving`, read from the ``hf_config.falcon``
+    the plugin's config set-up tagged), or None: no draft model, or not a Falcon drafter."""
     if draft_model_config is None:
         return None
     f = getattr(draft_model_config.hf_config, "falcon", None)
-    return dict(f) if isinstance(f, dict) else None
+    if not isinstance(f, dict) or "k" not in f:
+        return None
+    from falcon_vllm.serving import Serving
+
+    return Serving.from_section(f)
 
 
 def falcon_proposer(runner):

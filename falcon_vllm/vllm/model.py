@@ -35,6 +35,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.platforms import current_platform
 
 from falcon_vllm.drafter import PositionwiseLSTM, official_weights
+from falcon_vllm.serving import Serving
 from falcon_vllm.vllm.options import GEMM_DTYPE_ENV, check_gemm_dtype
 
 
@@ -269,8 +270,9 @@ class DraftHead:
 
     def _cast_gemms(self) -> None:
         """After loading: the drafter's own linear layers (and its truncated head) to its matmul dtype."""
-        choice = ((getattr(self.config, "falcon", None) or {}).get("draft_gemm_dtype")
-                  or os.environ.get(GEMM_DTYPE_ENV) or "auto")
+        section = getattr(self.config, "falcon", None)
+        serving = Serving.from_section(section) if isinstance(section, dict) else None
+        choice = (serving and serving.draft_gemm_dtype) or os.environ.get(GEMM_DTYPE_ENV) or "auto"
         dtype = gemm_dtype(choice, self.model_dtype)
         own = [m for m in self.modules() if isinstance(m, LinearBase)] + ([self.lm_head] if self.truncated else [])
         cast_gemm_weights(own, dtype)

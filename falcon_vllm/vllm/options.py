@@ -18,7 +18,8 @@ from pathlib import Path
 
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.datastore import Datastore
-from falcon_vllm.schema import (GEMM_DTYPES, INCOMPATIBLE, LOOKUP_KEYS, MAX_CHAIN_TOKENS, MAX_TREE_NODES, STORE_KEYS,
+from falcon_vllm.serving import Lookup, Serving
+from falcon_vllm.schema import (GEMM_DTYPES, INCOMPATIBLE, LOOKUP_KEYS, MAX_TREE_NODES, STORE_KEYS, check_chain_length,
                                 FalconOptions, parse, read_serving, read_tree_file)
 from falcon_vllm.tree import build_tree
 
@@ -141,19 +142,11 @@ def _batch_size_trees(tree_spec, k: int, n: int):
     return schedule, sized
 
 
-def ragged_drafts(falcon: dict) -> str | None:
-    """What in a resolved Falcon config (the ``info`` of :func:`resolve_falcon_config`) gives requests drafts of
-    different lengths in one step, which vLLM's async scheduler cannot take; None when nothing does."""
-    ragged = [name for name, on in (("prompt lookup (prompt_lookup_max)", falcon.get("prompt_lookup")),
-                                    ("draft_confidence", falcon.get("draft_confidence"))) if on]
-    return " and ".join(ragged) or None
-
-
-def check_async_scheduling(falcon: dict, async_scheduling: bool | None) -> bool | None:
+def check_async_scheduling(serving: Serving, async_scheduling: bool | None) -> bool | None:
     """The ``async_scheduling`` the engine should run with: False where the config gives ragged drafts and the
     user left it to vLLM (None, which would turn it on for EAGLE's plumbing on a GPU), an error where the user
     asked for it; otherwise as given."""
-    ragged = ragged_drafts(falcon)
+    ragged = serving.ragged
     if ragged is None:
         return async_scheduling
     if async_scheduling:
@@ -162,14 +155,14 @@ def check_async_scheduling(falcon: dict, async_scheduling: bool | None) -> bool 
     return False
 
 
-def check_cudagraph_mode(falcon: dict, mode, enforce_eager: bool = False):
+def check_cudagraph_mode(serving: Serving, mode, enforce_eager: bool = False):
     """The ``cudagraph_mode`` the engine should run with.  Tree mode computes the target's attention in Python
     (the ancestor mask), which only piecewise CUDA graphs leave outside the captured graphs: left to vLLM
     (None, which becomes FULL_AND_PIECEWISE on CUDA), PIECEWISE; a full mode asked for, an error (unless
     ``enforce_eager``, under which vLLM captures no graphs).  Chains run vLLM's own attention: as given."""
     from vllm.config import CUDAGraphMode
 
-    if falcon.get("mode") != "tree" or enforce_eager:
+    if serving.mode != "tree" or enforce_eager:
         return mode
     if mode is None:
         return CUDAGraphMode.PIECEWISE
@@ -183,8 +176,9 @@ def check_cudagraph_mode(falcon: dict, mode, enforce_eager: bool = False):
     return mode
 
 
-def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], trees: bool = True) -> tuple[dict, dict]:
-    """Return (the config to give vLLM with method 'eagle', Falcon info to tag the draft config).  A config that
+def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], trees: bool = True) -> tuple[dict, Serving]:
+    """Return (the config to give vLLM with method 'eagle', the drafter's :class:`~falcon_vllm.serving.Serving`,
+    whose ``section()`` tags the draft config).  A config that
     gives neither a tree nor ``num_speculative_tokens`` takes the drafter's ``serving.json``; ``trees`` False (Model
     Runner V2, no tree mode yet): not its tune-tree file."""
     opts, rest, names = parse(sc, valid_keys)
@@ -216,9 +210,8 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], trees: bool
                              "nodes) or fit one with `falcon-vllm tune-tree`")
         n = tree.num_nodes
     n = 2 * cfg.k if n is None else n
-    if (tree is None or tree.is_chain) and n > MAX_CHAIN_TOKENS:
-        raise ValueError(f"falcon-vllm: a chain of {n} speculative tokens is above the {MAX_CHAIN_TOKENS} that vLLM's "
-                         "rejection sampler verifies per step; use a shorter chain or a tree")
+    if tree is None or tree.is_chain:
+        check_chain_length(n)
     sized = _batch_size_trees(opts.tree, cfg.k, n) if tree is not None else None
     tree_mode = tree is not None and bool(sized or not tree.is_chain)  # a tune-tree file runs in tree mode
     lookup = opts.check(n, tree_mode, names)
@@ -232,22 +225,21 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], trees: bool
     for key in ("num_speculative_tokens_per_batch_size", "draft_sample_method"):
         if getattr(opts, key) is not None:
             eagle[key] = getattr(opts, key)
-    info = {key: getattr(opts, key) for key in ("draft_gemm_dtype", "draft_confidence", "draft_temperature_scale")
-            if getattr(opts, key)}
-    info |= {key: float(v) for key, v in info.items() if key != "draft_gemm_dtype"}
+    serving = Serving(k=cfg.k, block_order=cfg.block_order, level_embedding=bool(cfg.level_embedding),
+                      num_speculative_tokens=n, draft_gemm_dtype=opts.draft_gemm_dtype or None,
+                      draft_confidence=float(opts.draft_confidence or 0.0),
+                      draft_temperature_scale=float(opts.draft_temperature_scale or 1.0))
     if tree_mode:
-        info |= {"mode": "tree", "num_speculative_tokens": n, "tree": tree.to_list(), "tree_name": tree.name or "custom"}
+        subtrees = None
         if sized:
-            schedule, info["subtrees"] = sized
+            schedule, subtrees = sized
             eagle.setdefault("num_speculative_tokens_per_batch_size", schedule)
-        return eagle, info
-    info |= {"mode": "chain", "num_speculative_tokens": n}
-    if lookup is not None:  # the proposer's names (falcon_vllm.vllm.lookup)
-        info.update(prompt_lookup=list(lookup), falcon_tokens=opts.drafter_tokens or n,
-                    lookup_tokens=opts.lookup_tokens or n)
-        if opts.drafter_max_batch is not None:
-            info["falcon_max_batch"] = opts.drafter_max_batch
-        if store is not None:
-            info["datastore"] = os.path.abspath(store)
-            info |= {key: getattr(opts, key) for key in STORE_KEYS[1:] if getattr(opts, key) is not None}
-    return eagle, info
+        return eagle, replace(serving, mode="tree", tree=tree.to_list(), tree_name=tree.name or "custom",
+                              subtrees=subtrees)
+    if lookup is not None:
+        serving = replace(serving, lookup=Lookup(
+            prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1], drafter_tokens=opts.drafter_tokens or n,
+            lookup_tokens=opts.lookup_tokens or n, drafter_max_batch=opts.drafter_max_batch,
+            **({"datastore": os.path.abspath(store), **{key: getattr(opts, key) for key in STORE_KEYS[1:]}}
+               if store is not None else {})))
+    return eagle, serving

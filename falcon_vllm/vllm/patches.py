@@ -85,6 +85,8 @@ PATCHES = (
           "work-around: top-k on a step without drafts (compat.py)"),
     Patch("vllm.v1.worker.gpu.spec_decode", "init_speculator", ("vllm_config", "device", "req_states"),
           "Model Runner V2 on 0.32/0.33: FalconSpeculator for a Falcon drafter (v2.install_runner_hook)", optional=True),
+    Patch("vllm.v1.worker.gpu.spec_decode.utils:DraftTokensHandler", "get_draft_tokens", ("self",),
+          "Model Runner V2: each request's draft length to the scheduler (ragged drafts, v2/ragged.py)", optional=True),
     Patch("vllm.triton_utils.dispatcher", "_rebind_kernels", None,
           "work-around: llvmlite breaks vLLM's kernel scan (compat.py)", optional=True),
 )
@@ -110,7 +112,31 @@ READS = (
      "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"), "fields"),
     ("vllm.engine.arg_utils:EngineArgs", ("speculative_config",), "fields"),
     ("vllm.engine.arg_utils:AsyncEngineArgs", ("add_cli_args", "from_cli_args"), "methods"),
-    ("vllm.v1.spec_decode.ngram_proposer", ("_find_longest_matched_ngram_and_propose_tokens",), "methods"),
+)
+
+# Model Runner V2 (the FalconSpeculator of falcon_vllm.vllm.v2): what it subclasses, calls and reads, in vLLM
+# 0.32/0.33 (beside the V1 runner) and 0.34 (the only runner).  (owner, names, kind, optional): kind "methods",
+# "fields" (dataclass / NamedTuple) or "instance" (attributes set in the class's own methods or its bases')
+_V2 = "vllm.v1.worker.gpu"
+_AR = f"{_V2}.spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator"
+V2_READS = (
+    (_AR, ("propose", "_prefill", "_run_model", "_build_attn_metadata", "set_attn", "load_model", "load_draft_model",
+           "init_cudagraph_manager", "sample_draft", "compute_draft_logits", "_copy_request_inputs"), "methods", False),
+    (_AR, ("last_token_indices", "input_buffers", "hidden_states", "draft_tokens", "draft_logits", "idx_mapping",
+           "temperature", "seeds", "max_num_reqs", "max_model_len", "num_speculative_steps", "kv_cache_config",
+           "block_tables", "draft_model_config", "device", "dtype", "hidden_size", "draft_max_seq_len"),
+     "instance", False),
+    (f"{_V2}.block_table:BlockTables", ("input_block_tables", "block_sizes", "cp_size"), "instance", False),
+    (f"{_V2}.input_batch:InputBuffers", ("input_ids", "positions", "query_start_loc", "seq_lens"), "instance", False),
+    (f"{_V2}.input_batch:InputBatch", ("req_ids", "num_reqs", "idx_mapping", "query_start_loc", "num_tokens",
+                                       "seq_lens_cpu_upper_bound"), "fields", False),
+    (f"{_V2}.states:RequestState", ("all_token_ids", "total_len"), "instance", False),
+    ("vllm.v1.outputs:DraftTokenIds", ("req_ids", "draft_token_ids"), "fields", False),
+    (f"{_V2}.cudagraph_utils:BatchExecutionDescriptor", ("cg_mode", "num_tokens", "num_reqs"), "fields", False),
+    (f"{_V2}.attn_utils", ("build_slot_mappings_by_layer",), "methods", False),
+    (f"{_V2}.spec_decode.eagle.utils", ("load_eagle_model",), "methods", False),
+    (f"{_V2}.spec_decode.speculator_config", ("register_speculative_method",), "methods", True),  # 0.34 on
+    (f"{_V2}.spec_decode.eagle.config:EagleSpeculatorConfig", ("configure", "default_model"), "methods", True),
 )
 # the EAGLE proposer's propose(): FalconProposer overrides it with the same parameters
 PROPOSE_PARAMS = ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
@@ -241,6 +267,27 @@ def check_classes() -> None:
             fail(f"{owner.replace(':', '.')} lacks {missing}")
     if (have := _params(EagleProposer, "propose")) != list(PROPOSE_PARAMS):
         fail(f"EagleProposer.propose has a new signature {have}")
+
+
+def check_v2(speculator) -> None:
+    """At a V2 speculator's start-up: every class-level name of ``V2_READS`` where the plugin expects it, and the
+    instance attributes it reads on ``speculator`` (vLLM marks the V2 speculator API experimental)."""
+    for owner, names, kind, optional in V2_READS:
+        try:
+            obj = resolve(owner)
+        except (ImportError, AttributeError):
+            if optional:
+                continue
+            fail(f"{owner.replace(':', '.')} is missing (Model Runner V2)")
+        if kind == "instance":
+            target = speculator if owner == V2_READS[0][0] else None
+            missing = [n for n in names if target is not None and not hasattr(target, n)]
+        elif kind == "fields":
+            missing = [n for n in names if n not in {f.name for f in dataclasses.fields(obj)}]
+        else:
+            missing = [n for n in names if not callable(getattr(obj, n, None))]
+        if missing:
+            fail(f"{owner.replace(':', '.')} lacks {missing} (Model Runner V2)")
 
 
 def check_instances(runner, vllm_config, probe=None) -> None:

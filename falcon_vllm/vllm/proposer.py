@@ -62,11 +62,11 @@ class FalconProposer(EagleProposer, FalconDrafting):
         # the config hook turns async scheduling off for ragged drafts; a config built another way is refused here
         check_async_scheduling(self.falcon, vllm_config.scheduler_config.async_scheduling)
         self.init_lookup()
-        if self.falcon.get("mode") == "tree":
-            self.tree = DecodingTree(self.falcon["tree"], self.k, self.falcon.get("tree_name"))
+        if self.falcon.mode == "tree":
+            self.tree = DecodingTree(self.falcon.tree, self.k, self.falcon.tree_name)
             # the config hook chose PIECEWISE where unset; this catches a VllmConfig built without EngineArgs
             check_cudagraph_mode(self.falcon, vllm_config.compilation_config.cudagraph_mode)
-            self.tree_state = TreeState(self.tree, self.falcon.get("subtrees"))
+            self.tree_state = TreeState(self.tree, self.falcon.subtrees)
         if self.uses_mrope:
             raise NotImplementedError("falcon-vllm: targets with M-RoPE positions are not supported")
         self._runner = runner  # its input batch gives the request ids (for the stash)

@@ -48,13 +48,12 @@ class FalconSpeculatorConfig(EagleSpeculatorConfig):
         if fields := sorted(set(SPEC_FIELDS) & set(options)):
             raise ValueError(f"falcon-vllm: {fields} are fields of the speculative config: give them beside "
                              "speculator_options, not in it")
-        resolved, info = resolve_falcon_config({**given, **options}, spec.target_model_config.hf_config,
+        resolved, serving = resolve_falcon_config({**given, **options}, spec.target_model_config.hf_config,
                                                set(SPEC_FIELDS), trees=False)
-        check_v2(info)
+        check_v2(serving)
         for name, value in resolved.items():  # model, num_speculative_tokens and any vLLM key it filled in
             if name != "method":
                 setattr(spec, name, value)
         super().configure(spec)
         hf = spec.draft_model_config.hf_config
-        hf.falcon = dict(getattr(hf, "falcon", None) or {}, **info)
-        check_v2(hf.falcon)
+        hf.falcon = dict(getattr(hf, "falcon", None) or {}, **serving.section())

@@ -52,7 +52,8 @@ from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import TargetDependentARSpeculator
 from vllm.v1.worker.utils import AttentionGroup
 
-from falcon_vllm.vllm.drafting import SAMPLING_EPS, BlockInputs, FalconDrafting
+from falcon_vllm.vllm import patches
+from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
 from falcon_vllm.vllm.live import falcon_section
 from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.options import check_async_scheduling
@@ -94,7 +95,7 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, req_states: Any = None):
         super().__init__(vllm_config, device)
         falcon = falcon_section(self.draft_model_config)
-        if falcon is None or "k" not in falcon:
+        if falcon is None:
             raise ValueError("falcon-vllm: the draft model has no Falcon section (hf_config.falcon): method "
                              "'falcon' needs a Falcon drafter, set up by FalconSpeculatorConfig")
         self.init_drafting(falcon)
@@ -153,6 +154,7 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
     def set_attn(self, model_state: ModelState, kv_cache_config: KVCacheConfig, block_tables: BlockTables,
                  target_input_buffers: InputBuffers, target_attn_groups: list[list[AttentionGroup]]) -> None:
         super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups)
+        patches.check_v2(self)  # start-up, every attribute set: the V2 internals the speculator reads
         if len(block_tables.block_sizes) != 1 or block_tables.cp_size != 1:
             raise ValueError(f"falcon-vllm: the vLLM 0.34 speculator lays out its block passes on one KV-cache group "
                              f"without context parallelism; this model has {len(block_tables.block_sizes)} groups "
