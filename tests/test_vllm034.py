@@ -121,6 +121,18 @@ out["errors"] = {
     "temperature_scale": error(num_speculative_tokens=3, draft_sample_method="probabilistic",
                                speculator_options={"draft_temperature_scale": 0.5}),
 }
+# the same user interface as on 0.32: Falcon's keys at the top level, the older flags
+from vllm.engine.arg_utils import EngineArgs
+ea = EngineArgs(model="{base}/target", speculative_config={"method": "falcon", "model": "{base}/drafter",
+                                                            "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                                            "falcon_tokens": 2})
+target = ModelConfig(model="{base}/target", dtype="float32", max_model_len=256, skip_tokenizer_init=True)
+top = ea.create_speculative_config(target, ParallelConfig())
+out["top_level_keys"] = {k: top.draft_model_config.hf_config.falcon.get(k)
+                         for k in ("prompt_lookup_max", "drafter_tokens")}
+out["user_args_kept"] = "speculator_options" not in ea.speculative_config
+# the older flags: the same wrappers as on 0.32 (0.34's own add_cli_args needs a platform this side env lacks)
+out["cli_wrapped"] = [hasattr(getattr(EngineArgs, n), "__falcon_original__") for n in ("add_cli_args", "from_cli_args")]
 print("RESULT " + json.dumps(out))
 '''
 
@@ -194,6 +206,14 @@ def test_lookup_and_draft_temperature_scale_are_accepted_on_034(checks):
     """Prompt lookup (ragged drafts, v2/ragged.py) and a draft temperature scale are served on V2 now: the config
     builds (the speculator refuses ragged drafts under async scheduling at start-up, as the V1 proposer does)."""
     assert checks["errors"]["lookup"] is None and checks["errors"]["temperature_scale"] is None
+
+
+def test_the_032_user_interface_works_on_034(checks):
+    """On 0.34 Falcon's keys at the top level of the speculative config reach the drafter's options (moved into
+    speculator_options for vLLM, the user's dict left as given), and the older flags give the same config."""
+    assert checks["top_level_keys"] == {"prompt_lookup_max": 3, "drafter_tokens": 2}
+    assert checks["user_args_kept"]
+    assert checks["cli_wrapped"] == [True, True]  # --speculative-model / --num-speculative-tokens, as on 0.32
 
 
 def test_plugin_imports_no_034_names_and_v2_register_refuses_032():

@@ -46,6 +46,9 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "falcon_vllm.vllm.model:EagleFalconForCausalLM")
     register_speculative_method(METHOD, FalconSpeculatorConfig)
+    from falcon_vllm.vllm.v2 import cli
+
+    cli.install()  # the same flags and keys as on vLLM 0.32/0.33
 
 
 def install_runner_hook() -> bool:

@@ -21,10 +21,8 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.worker.gpu.spec_decode.eagle.config import EagleSpeculatorConfig
 
 from falcon_vllm.vllm.options import resolve_falcon_config
-from falcon_vllm.vllm.v2.rules import check_v2
+from falcon_vllm.vllm.v2.rules import SPEC_FIELDS, check_v2
 
-# the SpeculativeConfig fields Falcon's option resolution reads, besides speculator_options
-SPEC_FIELDS = ("model", "num_speculative_tokens", "draft_sample_method")
 
 
 class FalconSpeculatorConfig(EagleSpeculatorConfig):

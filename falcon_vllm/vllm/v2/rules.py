@@ -9,6 +9,9 @@ its chain form (prompt lookup, the datastore, the batch-size schedule, sampled d
 
 from __future__ import annotations
 
+# the SpeculativeConfig fields Falcon's option resolution reads on 0.34; its other keys go in speculator_options
+SPEC_FIELDS = ("model", "num_speculative_tokens", "draft_sample_method", "num_speculative_tokens_per_batch_size")
+
 
 def check_v2(serving) -> None:
     """Refuse what the V2 speculator does not do yet (``serving``: a :class:`~falcon_vllm.serving.Serving`)."""
