@@ -97,11 +97,11 @@ def _create_speculative_config(orig):
                 "tensor_parallel_size instead")
         valid = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {
             "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
-        eagle_sc, serving = resolve_falcon_config(merged, target_model_config.hf_config, valid, trees=not on_v2)
+        eagle_sc, serving = resolve_falcon_config(merged, target_model_config.hf_config, valid)
         if on_v2:
             check_v2(serving)
         asked = getattr(self, "async_scheduling", None)
-        async_scheduling = check_async_scheduling(serving, asked)
+        async_scheduling = check_async_scheduling(serving, asked, runner_v2=on_v2)
         graphs = _cudagraph_mode(self, serving)
         saved = {name: getattr(self, name, None) for name in ("spec_method", "spec_model", "spec_tokens")}
         self.speculative_config = eagle_sc
@@ -125,7 +125,7 @@ def _create_speculative_config(orig):
         if async_scheduling is not asked:  # read by create_engine_config's SchedulerConfig, built after this
             self.async_scheduling = async_scheduling
             log.info("falcon-vllm: async scheduling off: %s gives requests drafts of different lengths, which vLLM's "
-                     "async scheduler cannot take", serving.ragged)
+                     "async scheduler cannot take", serving.ragged or "tree mode on Model Runner V2")
         if graphs is not None:  # copied into the VllmConfig after this returns (create_engine_config)
             self.compilation_config = copy.deepcopy(self.compilation_config)  # not the user's object
             self.compilation_config.cudagraph_mode = graphs

@@ -142,11 +142,12 @@ def _batch_size_trees(tree_spec, k: int, n: int):
     return schedule, sized
 
 
-def check_async_scheduling(serving: Serving, async_scheduling: bool | None) -> bool | None:
-    """The ``async_scheduling`` the engine should run with: False where the config gives ragged drafts and the
-    user left it to vLLM (None, which would turn it on for EAGLE's plumbing on a GPU), an error where the user
-    asked for it; otherwise as given."""
-    ragged = serving.ragged
+def check_async_scheduling(serving: Serving, async_scheduling: bool | None, runner_v2: bool = False) -> bool | None:
+    """The ``async_scheduling`` the engine should run with: False where the config gives ragged drafts (on Model
+    Runner V2, tree mode too: a batch it cannot verify exactly drafts nothing) and the user left it to vLLM (None,
+    which would turn it on for EAGLE's plumbing on a GPU), an error where the user asked for it; otherwise as
+    given."""
+    ragged = serving.ragged or ("tree mode on Model Runner V2" if runner_v2 and serving.mode == "tree" else None)
     if ragged is None:
         return async_scheduling
     if async_scheduling:

@@ -209,37 +209,44 @@ def tree_state(runner) -> TreeState | None:
 def _begin_tree_step(runner, state: TreeState, md, num_scheduled_tokens) -> TreeStep:
     widths = np.asarray(md.num_draft_tokens, dtype=np.int64)
     n_sched = np.asarray(num_scheduled_tokens[: len(widths)], dtype=np.int64)
+    total = int(n_sched.sum())
+    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total].clone()
+    root_rows, attention = plan_tree_rows(state, widths, n_sched, runner.positions)
+    return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping, attention=attention)
+
+
+def plan_tree_rows(state: TreeState, widths: np.ndarray, n_sched: np.ndarray, positions: torch.Tensor):
+    """A tree step's rows, for any runner: each request's root row (-1: no tree; ``widths`` [B] its scheduled nodes,
+    ``n_sched`` [B] its scheduled tokens, laid out request after request) and the target forward's attention
+    (None without a tree).  The node tokens' ``positions`` (the forward's, [tokens]) are rewritten in place to
+    root position + depth; their KV slots stay consecutive."""
     cu = np.cumsum(n_sched)
     root_rows = np.where(widths > 0, cu - widths - 1, -1)
-    total = int(cu[-1])
-    dev = runner.positions.device
+    dev = positions.device
     trees = [int(i) for i in np.nonzero(widths)[0]]
-    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total].clone()
-    if trees:
-        # positions of node tokens: root position + depth (their KV slots stay consecutive)
-        rows, roots, depth = [], [], []
-        for r in trees:
-            w = int(widths[r])
-            rows.append(root_rows[r] + 1 + np.arange(w))
-            roots.append(np.full(w, root_rows[r]))
-            depth.append(state.drafted(w).depth[1:].numpy())
-        rows_t, roots_t, depth_t = to_device([torch.from_numpy(np.concatenate(rows)),
-                                              torch.from_numpy(np.concatenate(roots)),
-                                              torch.from_numpy(np.concatenate(depth))], dev)
-        runner.positions[rows_t] = runner.positions[roots_t] + depth_t.to(runner.positions.dtype)
-        # the attention context of this forward: every request when the others are short causal queries
-        # (the tree path then serves the whole batch), else the tree requests only, root first
-        whole = all(widths[r] > 0 or n_sched[r] <= MAX_CAUSAL_ROWS for r in range(len(widths)))
-        reqs = list(range(len(widths))) if whole else trees
-        qlens = np.where(widths[reqs] > 0, widths[reqs] + 1, n_sched[reqs])
-        qsl = np.concatenate([[0], np.cumsum(qlens)])
-        words = (int(qlens.max()) + 31) // 32
-        bits = torch.cat([state.subtrees.bits(state.drafted_k, int(widths[r]), words) if widths[r] > 0
-                          else state.subtrees.causal_bits(int(n_sched[r]), words) for r in reqs])
-        all_rows = None if whole else np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
-        attention = VerifyTreeAttention(all_rows, trees, qsl, bits, dev, whole)
-        return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping, attention=attention)
-    return TreeStep(root_rows=root_rows, widths=widths, slot_mapping=slot_mapping)
+    if not trees:
+        return root_rows, None
+    rows, roots, depth = [], [], []
+    for r in trees:
+        w = int(widths[r])
+        rows.append(root_rows[r] + 1 + np.arange(w))
+        roots.append(np.full(w, root_rows[r]))
+        depth.append(state.drafted(w).depth[1:].numpy())
+    rows_t, roots_t, depth_t = to_device([torch.from_numpy(np.concatenate(rows)),
+                                          torch.from_numpy(np.concatenate(roots)),
+                                          torch.from_numpy(np.concatenate(depth))], dev)
+    positions[rows_t] = positions[roots_t] + depth_t.to(positions.dtype)
+    # the attention context of this forward: every request when the others are short causal queries
+    # (the tree path then serves the whole batch), else the tree requests only, root first
+    whole = all(widths[r] > 0 or n_sched[r] <= MAX_CAUSAL_ROWS for r in range(len(widths)))
+    reqs = list(range(len(widths))) if whole else trees
+    qlens = np.where(widths[reqs] > 0, widths[reqs] + 1, n_sched[reqs])
+    qsl = np.concatenate([[0], np.cumsum(qlens)])
+    words = (int(qlens.max()) + 31) // 32
+    bits = torch.cat([state.subtrees.bits(state.drafted_k, int(widths[r]), words) if widths[r] > 0
+                      else state.subtrees.causal_bits(int(n_sched[r]), words) for r in reqs])
+    all_rows = None if whole else np.concatenate([root_rows[r] + np.arange(widths[r] + 1) for r in trees])
+    return root_rows, VerifyTreeAttention(all_rows, trees, qsl, bits, dev, whole)
 
 
 # vLLM's built-in logits processors; each one is tied to a request field checked in tree_drafts_for

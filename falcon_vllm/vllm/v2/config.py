@@ -47,7 +47,7 @@ class FalconSpeculatorConfig(EagleSpeculatorConfig):
             raise ValueError(f"falcon-vllm: {fields} are fields of the speculative config: give them beside "
                              "speculator_options, not in it")
         resolved, serving = resolve_falcon_config({**given, **options}, spec.target_model_config.hf_config,
-                                               set(SPEC_FIELDS), trees=False)
+                                               set(SPEC_FIELDS))
         check_v2(serving)
         for name, value in resolved.items():  # model, num_speculative_tokens and any vLLM key it filled in
             if name != "method":

@@ -15,13 +15,6 @@ SPEC_FIELDS = ("model", "num_speculative_tokens", "draft_sample_method", "num_sp
 
 def check_v2(serving) -> None:
     """Refuse what the V2 speculator does not do yet (``serving``: a :class:`~falcon_vllm.serving.Serving`)."""
-    if serving.mode == "tree":
-        raise ValueError(
-            f"falcon-vllm: tree mode (tree {serving.tree_name!r}) does not run on Model Runner V2: it has no "
-            "tree verification (vLLM removed tree attention) and the plugin's tree positions, ancestor mask, tree "
-            "sampler and KV compaction are not ported yet (docs/vllm-0.34-port.md, section 4). Give a chain "
-            "(num_speculative_tokens, no tree), or serve tree mode in vLLM 0.32/0.33's V1 runner "
-            "(VLLM_USE_V2_MODEL_RUNNER unset)")
     if serving.level_embedding:
         raise ValueError(
             "falcon-vllm: this drafter was trained with level embeddings, which the Model Runner V2 speculator does "

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.forward_context import set_forward_context
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.block_table import BlockTables
@@ -57,7 +58,12 @@ from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
 from falcon_vllm.vllm.live import falcon_section
 from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.options import check_async_scheduling
+from falcon_vllm.tree import DecodingTree
+from falcon_vllm.vllm.paged_kv import tree_attention_scope
+from falcon_vllm.vllm.tree_draft import TreeState
+from falcon_vllm.vllm.tree_startup import check_startup
 from falcon_vllm.vllm.v2 import ragged
+from falcon_vllm.vllm.v2.tree import tree_model_state
 from falcon_vllm.vllm.v2.rules import check_block_rows, check_data_parallel
 
 
@@ -117,9 +123,16 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         if self.lookup is not None and req_states is None:
             raise ValueError("falcon-vllm: prompt lookup on Model Runner V2 needs the runner's request states, which "
                              "this vLLM does not hand to the speculator")
-        self.ragged = self.lookup is not None or bool(self.draft_confidence)
-        if self.ragged:  # per-request draft lengths go to the scheduler (ragged.py), which async scheduling skips
-            check_async_scheduling(falcon, vllm_config.scheduler_config.async_scheduling)
+        # tree mode (v2/tree.py): the tree, its state, this step's verification and the last step's accepted paths
+        self.tree_step = self.tree_paths = self.tree_sampler = None
+        if falcon.mode == "tree":
+            self.tree = DecodingTree(falcon.tree, self.k, falcon.tree_name)
+            self.tree_state = TreeState(self.tree, falcon.subtrees)
+        # per-request draft lengths go to the scheduler (ragged.py), which async scheduling skips; in tree mode a
+        # batch the tree sampler cannot verify exactly drafts nothing
+        self.ragged = self.lookup is not None or bool(self.draft_confidence) or self.tree is not None
+        if self.ragged:
+            check_async_scheduling(falcon, vllm_config.scheduler_config.async_scheduling, runner_v2=True)
         # this step's draft length per request id (ragged drafts: read by the runner's draft-token hand-off)
         self.step_lengths: dict[str, int] | None = None
         ragged.register(self)
@@ -149,12 +162,20 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
             self._draft_vocab_ids = model.to_target_ids(torch.arange(model.d2t.numel(), device=model.d2t.device))
         wrap_gemms(model)  # draft_gemm_dtype
         model.attach_falcon_proposer()  # lifts its guard against being run by stock EAGLE
+        if self.tree is not None:  # V2 asks the target for its model state right after this: tree mode's
+            from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
+
+            base = resolve_model_state_cls(self.vllm_config, target_model)
+            cls = tree_model_state(base, self)
+            target_model.get_model_state_cls = lambda: cls
         return model
 
     def set_attn(self, model_state: ModelState, kv_cache_config: KVCacheConfig, block_tables: BlockTables,
                  target_input_buffers: InputBuffers, target_attn_groups: list[list[AttentionGroup]]) -> None:
         super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups)
         patches.check_v2(self)  # start-up, every attribute set: the V2 internals the speculator reads
+        if self.tree is not None:  # models and settings tree attention cannot serve exactly
+            check_startup(self.vllm_config, kv_cache_config, self.draft_attn_layer_names)
         if len(block_tables.block_sizes) != 1 or block_tables.cp_size != 1:
             raise ValueError(f"falcon-vllm: the vLLM 0.34 speculator lays out its block passes on one KV-cache group "
                              f"without context parallelism; this model has {len(block_tables.block_sizes)} groups "
@@ -191,6 +212,8 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         or, with prompt lookup or ``draft_confidence``, its own length, which :mod:`~falcon_vllm.vllm.v2.ragged`
         hands to the scheduler)."""
         K = self.num_speculative_steps if num_speculative_tokens is None else num_speculative_tokens
+        if self.tree_paths is not None:  # tree mode: the accepted nodes' hidden states next to their root
+            self._compact_hidden(input_batch, last_hidden_states)
         # the chunk pass; it leaves the shifted chunk in the drafter's input rows and each request's last chunk
         # row in last_token_indices
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -214,6 +237,9 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
     def plan_step(self, step: _Step, K: int, num_sampled: torch.Tensor, B: int) -> StepPlan:
         """This step's drafts before any drafter pass: its budget ``K``, each request's prompt-lookup draft, and the
         length of the drafter's chain (0: no drafter chain)."""
+        if (self.tree is not None and not step.dummy_run and K and self.tree_sampler is not None
+                and not self.tree_sampler.servable(step.input_batch)):
+            return StepPlan(K, None, 0)  # a batch the tree sampler cannot verify exactly: no drafts
         if K == 0 or step.dummy_run or self.lookup is None:
             return StepPlan(K, None, K)
         lk = self.lookup
@@ -261,6 +287,21 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         self.step_lengths = dict(zip(step.input_batch.req_ids[:B], lengths))
         return out
 
+    def _compact_hidden(self, input_batch: InputBatch, hidden: torch.Tensor) -> None:
+        """Tree mode: the last step's accepted nodes' target hidden states moved to the rows after their root, as
+        the tree sampler moved their K/V and input ids (v2/tree.py)."""
+        (cu, paths), self.tree_paths = self.tree_paths, None
+        src, dst = [], []
+        qsl = input_batch.query_start_loc_np
+        for r, path in paths.items():
+            root = int(qsl[r + 1]) - int(cu[r + 1] - cu[r])
+            for i, s in enumerate(path):
+                if s != i + 1:
+                    src.append(root + s)
+                    dst.append(root + 1 + i)
+        if src:
+            hidden[torch.tensor(dst, device=hidden.device)] = hidden[torch.tensor(src, device=hidden.device)]
+
     def _point_mass(self, step: _Step, i: int, draft: list[int]) -> None:
         """A lookup draft is a point-mass proposal: its columns of the draft-logits cache (sampled drafts) say so."""
         if self.draft_logits is None:
@@ -287,6 +328,32 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
     def _relaxed_block_inputs(self, step: _Step, last: torch.Tensor, B: int) -> BlockInputs:
         req_ids = [] if step.dummy_run else list(step.input_batch.req_ids)[:B]
         return self.block_inputs(step.input_batch.query_start_loc[:B], last, req_ids + [None] * (B - len(req_ids)))
+
+    def _draft_tree(self, step: _Step, rows: torch.Tensor, positions: torch.Tensor, K: int) -> torch.Tensor:
+        B = rows.shape[0]
+        max_prefix = int(step.input_batch.seq_lens_cpu_upper_bound[:B].max())
+        return self.draft_tree(rows, positions, K, self.block_tables.input_block_tables[0][:B], max_prefix)
+
+    def _tree_block_pass(self, attn, ids, feats, positions) -> torch.Tensor:
+        """One drafter pass over tree blocks [NB, k]; attention by ``attn`` (no paged-cache writes)."""
+        NB, k = ids.shape
+        n = NB * k
+        self._set_rows(0, ids, feats, positions.clamp(0, self.max_model_len - 1).reshape(-1))
+        per_layer = {name: None for name in self.draft_attn_layer_names}
+        with tree_attention_scope(attn), set_forward_context(per_layer, self.vllm_config, num_tokens=n,
+                                                             cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                                             slot_mapping={}):
+            out = self.model(input_ids=self.input_ids[:n], positions=self.positions[:n],
+                             hidden_states=self.hidden_states[:n])
+        out = out[0] if isinstance(out, tuple) else out
+        self.passes += 1
+        return self.block_outputs(out[:n], NB)
+
+    def _topk(self, rows: torch.Tensor, topk: int) -> torch.Tensor:
+        """rows [B, R, H] -> the drafter's top candidates [B, R, topk] (target ids, rank order)."""
+        B, R, H = rows.shape
+        ids = self.model.compute_logits(rows.reshape(B * R, H)).topk(topk, dim=-1).indices
+        return self.model.to_target_ids(ids).view(B, R, topk)
 
     def _chunk_pass(self, step: _Step, num_tokens: int, positions: torch.Tensor) -> None:
         return  # it ran in propose, as TargetDependentARSpeculator's draft prefill (which lays out the rows)
