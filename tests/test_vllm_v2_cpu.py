@@ -39,6 +39,7 @@ def ckpts(tmp_path_factory):
     export_vllm_eagle(random_drafter(target, k=1, fusion="fc", seed=3), str(base / "eagle"))
     random_drafter(target, k=2, fusion="lstm", seed=3).save_pretrained(str(base / "falcon_k2"))
     random_drafter(target, k=3, fusion="fc", seed=4, block_order="reversed").save_pretrained(str(base / "falcon_k3_rev"))
+    random_drafter(target, k=2, fusion="fc", seed=5, level_embedding=True).save_pretrained(str(base / "falcon_level"))
     return base
 
 
@@ -94,9 +95,9 @@ def test_falcon_chain_on_v2_matches_v1_and_reference_drafts(ckpts, v1_tokens, dr
 
 
 def test_v2_refuses_what_it_does_not_serve(ckpts, monkeypatch):
-    """With VLLM_USE_V2_MODEL_RUNNER=1 on 0.32, tree mode is refused when the config is built, naming V1 as the way
-    to serve it; a chain, prompt lookup and draft_confidence pass the plugin's checks (V2 then needs Triton, refused
-    by vLLM here)."""
+    """With VLLM_USE_V2_MODEL_RUNNER=1 on 0.32, a level-embedding drafter is refused when the config is built; a
+    chain, a tree, prompt lookup and draft_confidence pass the plugin's checks (V2 then needs Triton, refused by
+    vLLM here)."""
     from vllm.engine.arg_utils import EngineArgs
 
     import falcon_vllm
@@ -104,14 +105,15 @@ def test_v2_refuses_what_it_does_not_serve(ckpts, monkeypatch):
     falcon_vllm.register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
 
-    def build(**falcon):
-        spec = {"method": "falcon", "model": str(ckpts / "falcon_k2"), **falcon}
+    def build(drafter="falcon_k2", **falcon):
+        spec = {"method": "falcon", "model": str(ckpts / drafter), **falcon}
         EngineArgs(model=str(ckpts / "target"), dtype="float32", max_model_len=256, enforce_eager=True,
                    speculative_config=spec).create_engine_config()
 
-    with pytest.raises(ValueError, match="falcon-vllm: tree mode .* does not run on Model Runner V2"):
-        build(tree=[[0], [1], [0, 0]])
-    for falcon in ({"num_speculative_tokens": 4}, {"num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    with pytest.raises(ValueError, match="falcon-vllm: this drafter was trained with level embeddings"):
+        build("falcon_level", num_speculative_tokens=4)
+    for falcon in ({"num_speculative_tokens": 4}, {"tree": [[0], [1], [0, 0]]},
+                   {"num_speculative_tokens": 4, "prompt_lookup_max": 3},
                    {"num_speculative_tokens": 4, "draft_confidence": 0.5}):
         with pytest.raises(Exception, match="Model Runner V2 requires Triton") as chain:
             build(**falcon)
@@ -168,16 +170,13 @@ def test_falcon_chain_on_v2_samples_losslessly(tmp_path_factory):
     assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"], c  # both branches of the rejection sampler ran
 
 
-def test_v2_takes_the_shipped_serving_json_but_not_its_tree(monkeypatch):
+def test_v2_takes_the_shipped_serving_json(monkeypatch):
     """On V2 the shipped SmolLM2 drafter's serving.json applies as on V1 (prompt lookup, the datastore, the schedule,
-    sampled drafts at its draft temperature scale); a tune-tree serving.json (the Qwen2.5-Coder-1.5B drafter's) is
-    not taken there, so its bare config is the chain default instead of a refusal of a tree the user never gave."""
+    sampled drafts at its draft temperature scale)."""
     from vllm.engine.arg_utils import EngineArgs
 
     import falcon_vllm
     from falcon_vllm.models import model_path
-    from falcon_vllm.schema import FalconOptions
-    from falcon_vllm.vllm.options import DRAFTERS_DIR, with_recommendation
 
     falcon_vllm.register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -198,10 +197,6 @@ def test_v2_takes_the_shipped_serving_json_but_not_its_tree(monkeypatch):
     assert falcon["datastore"] and falcon["drafter_tokens"] == 2 and falcon["draft_temperature_scale"] == 0.6
     assert spec.num_speculative_tokens == 8 and spec.draft_sample_method == "probabilistic"
     assert spec.num_speculative_tokens_per_batch_size
-    qwen = str(DRAFTERS_DIR / "qwen2.5-coder-1.5b-instruct")
-    bare = FalconOptions()
-    assert with_recommendation(bare, qwen, trees=False) == bare
-    assert with_recommendation(bare, qwen).tree is not None  # V1 takes the tune-tree file
 
 
 SHIPPED_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [7, 8, 9], [504, 314, 42, 79, 504, 314],
@@ -263,3 +258,106 @@ def test_v2_sampled_draft_logits():
     FalconSpeculator._point_mass(me, step, 0, [4, 9])
     q = (cache[1, :2] / T).softmax(-1)
     assert q[0, 4] == 1.0 and q[1, 9] == 1.0 and torch.equal(cache[0], torch.zeros(3, V))
+
+
+# ---------------------------------------------------------------------------- tree mode on Model Runner V2
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]  # three candidates at depth 1; a path through slot 4 compacts
+
+
+@pytest.fixture(scope="module")
+def ctx_ckpts(tmp_path_factory):
+    """The context target (its greedy continuation depends on its K/V) and the increment model's exact drafter,
+    which the context target accepts often but not always."""
+    from falcon_vllm.testing import context_llama, exact_drafter, increment_llama
+
+    base = tmp_path_factory.mktemp("v2tree")
+    save_target(context_llama(vocab=49152), str(base / "ctx"))
+    inc = increment_llama(vocab=49152, hidden=128, heads=2, kv_heads=1)
+    exact_drafter(inc, k=2).save_pretrained(str(base / "exact_k2"))
+    return base
+
+
+@pytest.mark.slow
+def test_tree_on_v2_matches_vanilla_and_v1_step_by_step(ctx_ckpts):
+    """Tree mode on 0.32's V2: greedy tokens identical to vanilla V1, and every step's tree drafts and acceptance
+    those of V1's tree mode; accepted paths that leave the first slots move their K/V (the context target's
+    continuation reads them, so a wrong compaction changes the tokens that follow)."""
+    job = {"model": str(ctx_ckpts / "ctx"), "prompts": PROMPTS, "max_tokens": 16}
+    spec = {"method": "falcon", "model": str(ctx_ckpts / "exact_k2"), "tree": TREE}
+    vanilla = _run(job)["tokens"]
+    v1 = _run({**job, "record_drafts": True, "speculative_config": spec})
+    v2 = _run({**job, "record_drafts": True, "v2": True, "speculative_config": spec})
+    assert v2["speculator"] == "FalconSpeculator" and v1["tokens"] == vanilla and v2["tokens"] == vanilla
+    assert v2["drafts"] == v1["drafts"] and v2["counters"] == v1["counters"]
+    assert all(len(d) == len(TREE) for steps in v2["drafts"] for d in steps)
+    per_pos = v2["counters"]["num_accepted_tokens_per_pos"]
+    assert per_pos[1] > 0 and per_pos[1] < per_pos[0] < v2["counters"]["num_drafts"]  # deep, shallow, none
+
+
+@pytest.mark.slow
+def test_tree_on_v2_serves_the_shipped_drafter_with_falcon_llama():
+    """The shipped SmolLM2 drafter with the paper's 118-node falcon-llama tree on V2: greedy tokens identical to
+    vanilla V1, drafts equal to V1's tree mode step by step; a request near max_model_len beside the others has its
+    tree cut by the scheduler and neither crashes nor changes its output."""
+    from falcon_vllm.models import model_path
+
+    near = list(range(500, 500 + 225))  # 225 + 24 tokens: within one tree of max_model_len 256
+    job = {"model": str(model_path()), "prompts": SHIPPED_PROMPTS[:2] + [near], "max_tokens": [20, 12, 24]}
+    spec = {"method": "falcon", "model": "falcon", "tree": "falcon-llama"}
+    vanilla = _run(job)["tokens"]
+    v1 = _run({**job, "record_drafts": True, "speculative_config": spec})
+    v2 = _run({**job, "record_drafts": True, "v2": True, "speculative_config": spec})
+    assert v1["tokens"] == vanilla and v2["tokens"] == vanilla and len(vanilla[2]) == 24
+    assert v2["drafts"] == v1["drafts"] and v2["counters"] == v1["counters"]
+    assert v2["counters"]["num_accepted_tokens"] > 0
+    assert {len(d) for d in v2["drafts"][2]} - {118}  # cut near max_model_len
+
+
+@pytest.mark.slow
+def test_tree_on_v2_drafts_nothing_beside_a_request_it_cannot_verify(ctx_ckpts):
+    """A request with a presence penalty (sampled by V2's own sampler only) beside tree requests: the batch drafts
+    nothing while it runs, and every output is vanilla's."""
+    job = {"model": str(ctx_ckpts / "ctx"), "prompts": PROMPTS, "max_tokens": [16, 6, 16],
+           "params": [{}, {"presence_penalty": 0.5}, {}]}
+    spec = {"method": "falcon", "model": str(ctx_ckpts / "exact_k2"), "tree": TREE}
+    vanilla = _run(job)["tokens"]
+    v2 = _run({**job, "record_drafts": True, "v2": True, "speculative_config": spec})
+    assert v2["tokens"] == vanilla
+    assert v2["drafts"][1] == [[]] * len(v2["drafts"][1])  # the penalised request never drafted
+    assert any(v2["drafts"][0]) and v2["counters"]["num_accepted_tokens"] > 0  # the others did, once it finished
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [False, True])
+def test_tree_on_v2_samples_losslessly(ctx_ckpts, broken):
+    """Sampling at temperature 0.7, top-p 0.9 through V2 in tree mode: every generated token's bin (d = -2..2,
+    other) against the context target's processed distribution given its prefix.  The control: a tree verifier at
+    half the request's temperature, on the same statistic, fails it."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.vllm_util import context_chi_square
+
+    V = 49152
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(48 if not broken else 96)]
+    out = _run({"model": str(ctx_ckpts / "ctx"), "prompts": prompts, "max_tokens": 12, "temperature": 0.7,
+                "params": [{"top_p": 0.9}] * len(prompts), "v2": True, "max_num_seqs": 16, "break_verifier": broken,
+                "speculative_config": {"method": "falcon", "model": str(ctx_ckpts / "exact_k2"), "tree": TREE}})
+    assert out["speculator"] == "FalconSpeculator" and all(len(t) == 12 for t in out["tokens"])
+    ctx = AutoModelForCausalLM.from_pretrained(str(ctx_ckpts / "ctx"), torch_dtype="float32")
+    outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=t)]) for t in out["tokens"]]
+    if broken:
+        try:
+            chi2, counts, expected = context_chi_square(ctx, prompts, outs, 0.7, None, 0.9)
+        except AssertionError as exc:  # a token the target's processed distribution cannot give: caught too
+            assert "zero probability" in str(exc)
+            return
+        assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())
+        return
+    chi2, counts, expected = context_chi_square(ctx, prompts, outs, 0.7, None, 0.9)
+    assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
+    c = out["counters"]
+    assert 0 < c["num_accepted_tokens"] < c["num_drafts"] * 3, c  # accepted and rejected siblings

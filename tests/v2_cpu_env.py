@@ -42,8 +42,14 @@ def serve(job: dict) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from falcon_vllm.vllm.engine import shutdown_llm, spec_counters
 
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=job.get("max_num_seqs", 4), seed=0,
-              disable_log_stats=False, speculative_config=job.get("speculative_config"))
+    if job.get("break_verifier"):  # a tree verifier at half the request's temperature (the losslessness control)
+        from falcon_vllm.vllm import tree_verify
+
+        orig = tree_verify.sample_verify
+        tree_verify.sample_verify = lambda tree, nodes, lg, t, *a, **kw: orig(tree, nodes, lg, t / 2, *a, **kw)
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 256), enforce_eager=True,
+              max_num_seqs=job.get("max_num_seqs", 4), seed=0, disable_log_stats=False,
+              speculative_config=job.get("speculative_config"))
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         speculator = getattr(runner, "speculator", None)
@@ -52,8 +58,10 @@ def serve(job: dict) -> dict:
             log = _record_drafts(speculator) if speculator is not None else _record_v1_drafts(runner)
         prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
         n = job["max_tokens"]  # one for every prompt, or a list: one each
-        params = [SamplingParams(temperature=job.get("temperature", 0.0), seed=job.get("seed"), max_tokens=m,
-                                 ignore_eos=True) for m in (n if isinstance(n, list) else [n] * len(prompts))]
+        extra = job.get("params") or [{}] * len(prompts)  # per-prompt SamplingParams fields (penalties, top_p...)
+        params = [SamplingParams(**{"temperature": job.get("temperature", 0.0), "seed": job.get("seed"),
+                                    "max_tokens": m, "ignore_eos": True, **x})
+                  for m, x in zip(n if isinstance(n, list) else [n] * len(prompts), extra)]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return {"runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
                 "bases": [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__[:3]],

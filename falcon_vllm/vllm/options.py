@@ -79,20 +79,19 @@ def check_weights(path: str) -> None:
 SERVING_FILE = "serving.json"
 
 
-def with_recommendation(opts: FalconOptions, drafter: str, trees: bool = True) -> FalconOptions:
+def with_recommendation(opts: FalconOptions, drafter: str) -> FalconOptions:
     """``opts`` (a config that gives neither ``tree`` nor ``num_speculative_tokens``) completed by the drafter's
     ``serving.json``, if it has one (:func:`falcon_vllm.schema.read_serving`): a tune-tree file becomes the tree;
     the chain form gives its keys one by one where the config gives none, its schedule for this CPU where it has
     one (:func:`cpu_capability`), its draft_temperature_scale only with sampled drafts, and its lookup and
     datastore keys only when the config gives none of the lookup keys (its datastore, relative to the drafter's
-    directory, only when the config gives no datastore).  ``trees`` False (a runner without tree mode): a tune-tree
-    file is not taken, and the config stays the chain default."""
+    directory, only when the config gives no datastore)."""
     f = os.path.join(drafter, SERVING_FILE)
     if not os.path.isfile(f):
         return opts
     served = read_serving(f)
     if served.tree_file is not None:
-        return replace(opts, tree=served.tree_file) if trees else opts
+        return replace(opts, tree=served.tree_file)
     rec = served.for_cpu(cpu_capability())
     unset = lambda keys: [k for k in keys if getattr(opts, k) is None]  # noqa: E731
     take = {k: getattr(rec, k) for k in unset(("num_speculative_tokens", "num_speculative_tokens_per_batch_size",
@@ -177,11 +176,10 @@ def check_cudagraph_mode(serving: Serving, mode, enforce_eager: bool = False):
     return mode
 
 
-def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], trees: bool = True) -> tuple[dict, Serving]:
+def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[dict, Serving]:
     """Return (the config to give vLLM with method 'eagle', the drafter's :class:`~falcon_vllm.serving.Serving`,
     whose ``section()`` tags the draft config).  A config that
-    gives neither a tree nor ``num_speculative_tokens`` takes the drafter's ``serving.json``; ``trees`` False (Model
-    Runner V2, no tree mode yet): not its tune-tree file."""
+    gives neither a tree nor ``num_speculative_tokens`` takes the drafter's ``serving.json``."""
     opts, rest, names = parse(sc, valid_keys)
     for key, allowed, why in INCOMPATIBLE:
         if rest.get(key) not in allowed:
@@ -198,7 +196,7 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str], trees: bool
         raise ValueError(f"falcon-vllm: {names['drafter_k']}={opts.drafter_k!r} but the drafter at {path} was trained "
                          f"with k={cfg.k}")
     if opts.tree is None and opts.num_speculative_tokens is None:
-        opts = with_recommendation(opts, path, trees)
+        opts = with_recommendation(opts, path)
     tree, n = None, opts.num_speculative_tokens
     if opts.tree is not None:
         tree = build_tree(opts.tree, cfg.k)

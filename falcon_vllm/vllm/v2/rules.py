@@ -2,9 +2,8 @@
 
 Used by the 0.34 speculator config (:mod:`falcon_vllm.vllm.v2.config`), by the config hook on 0.32/0.33 when
 ``VLLM_USE_V2_MODEL_RUNNER=1`` (:mod:`falcon_vllm.vllm.hooks`) and by the speculator itself, so every path refuses
-the same things with the same words.  Both config paths resolve the drafter's ``serving.json`` with
-``tree_mode=False``: a tune-tree file there (a tree tuned for the V1 runner) leaves the chain default on V2, while
-its chain form (prompt lookup, the datastore, the batch-size schedule, sampled drafts) is served as on V1.
+the same things with the same words.  The drafter's ``serving.json`` applies on V2 as on V1 (a tune-tree file, or
+prompt lookup, the datastore, the batch-size schedule and sampled drafts).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from falcon_vllm.vllm import patches
 from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
 from falcon_vllm.vllm.live import falcon_section
 from falcon_vllm.vllm.model import wrap_gemms
-from falcon_vllm.vllm.options import check_async_scheduling
+from falcon_vllm.vllm.options import check_async_scheduling, check_cudagraph_mode
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm.paged_kv import tree_attention_scope
 from falcon_vllm.vllm.tree_draft import TreeState
@@ -128,6 +128,9 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         if falcon.mode == "tree":
             self.tree = DecodingTree(falcon.tree, self.k, falcon.tree_name)
             self.tree_state = TreeState(self.tree, falcon.subtrees)
+            # the target's attention must run outside full CUDA graphs (the config hook chose PIECEWISE where unset)
+            check_cudagraph_mode(falcon, vllm_config.compilation_config.cudagraph_mode,
+                                 bool(vllm_config.model_config.enforce_eager))
         # per-request draft lengths go to the scheduler (ragged.py), which async scheduling skips; in tree mode a
         # batch the tree sampler cannot verify exactly drafts nothing
         self.ragged = self.lookup is not None or bool(self.draft_confidence) or self.tree is not None
