@@ -579,6 +579,29 @@ def check_step(ck: Checker, st: Step):
     ck.piece(st.case.id, "step", "_begin_tree_step", lambda: None, lambda: box.update(step=st.begin()), check)
 
 
+def check_v2_slots(ck: Checker, st: Step):
+    """Model Runner V2's tree compaction finds the K/V slots of a request's rows from the block table and the root's
+    position (the drafting core's ``kv_slots``, as ``v2/tree.py`` calls it), not from a captured slot mapping: they
+    must be the step's slots."""
+    from types import SimpleNamespace
+
+    from falcon_vllm.vllm.drafting import FalconDrafting
+
+    core = SimpleNamespace(block_size=st.case.bs, max_model_len=1 << 30)
+    box = {}
+
+    def run():
+        box["got"] = [FalconDrafting.kv_slots(core, st.table[r:r + 1], torch.as_tensor(
+            int(st.P[r]) + np.arange(st.widths[r] + 1), device=st.dev)[None]) for r in st.tree_rows()]
+
+    def check():
+        want = [st.slot_mapping[int(st.qsl[r]): int(st.qsl[r]) + st.widths[r] + 1].long() for r in st.tree_rows()]
+        bad = [r for r, g, w in zip(st.tree_rows(), box["got"], want) if not torch.equal(g.long(), w)]
+        return dict(ok=not bad, note=f"wrong slots for requests {bad[:4]}" if bad else "")
+
+    ck.piece(st.case.id, "v2-slots", "FalconDrafting.kv_slots", lambda: None, run, check)
+
+
 def check_target_attention(ck: Checker, st: Step, whole: bool, paths):
     from falcon_vllm.vllm import tree_verify
 
@@ -977,6 +1000,8 @@ def main(argv=None) -> int:
                     continue
                 if ck.wants("step"):
                     check_step(ck, st)
+                if ck.wants("v2-slots"):
+                    check_v2_slots(ck, st)
                 for whole in (True, False):
                     if ck.wants("attn-whole" if whole else "attn-rows"):
                         check_target_attention(ck, st, whole, attn_paths(dev, triton_mode))
