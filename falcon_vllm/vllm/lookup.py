@@ -79,15 +79,24 @@ def ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, 
     vLLM.  Empty when no suffix repeats."""
     T = tokens.shape[0]
     k = min(k, max_model_len - T)
-    if T < min_n or k <= 0:
+    if T < min_n or k <= 0 or T < 2:
         return tokens[:0]
-    for n in range(min(max_n, T - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:T - 1], n)  # n-grams ending before the last
-        hits = np.flatnonzero((windows == tokens[T - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tokens[start:start + min(k, T - start)]
-    return tokens[:0]
+    ends = np.flatnonzero(tokens[:T - 1] == tokens[T - 1])  # earlier occurrences of the last token (match ends)
+    if ends.size == 0:
+        return tokens[:0]
+    length = np.ones(ends.size, dtype=np.int64)  # how far each match reaches back, up to max_n
+    alive = np.ones(ends.size, dtype=bool)
+    for back in range(1, min(max_n, T - 1)):
+        prev = ends - back
+        alive &= (prev >= 0) & (tokens[np.maximum(prev, 0)] == tokens[T - 1 - back])
+        if not alive.any():
+            break
+        length += alive
+    longest = int(length.max())
+    if longest < min_n:
+        return tokens[:0]
+    start = int(ends[np.argmax(length == longest)]) + 1  # the first occurrence of the longest match
+    return tokens[start:start + min(k, T - start)]
 
 
 def warm_up() -> None:
