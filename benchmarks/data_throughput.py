@@ -15,6 +15,7 @@ no stage inherits another's binding), on the same ShareGPT first turns:
 Engine start-up is not counted (it is once per run).  Featurized tokens are prompt + answer tokens.
 
   python benchmarks/data_throughput.py --target <qwen2.5-coder-1.5b-instruct dir> --num-conversations 32 \\
+      --stages today-answer,today-featurize,combined,prefill,combined,today-featurize,today-answer \\
       --name data_throughput_qwen15
 """
 
@@ -120,7 +121,7 @@ def _today(ta, tf, key):
     return ta["tokens"] / (ta[key] + tf[key] * ta["tokens"] / tf["tokens"])
 
 
-def report(args, rows: dict, argv) -> None:
+def report(args, rows: dict, argv, runs: list[dict]) -> None:
     cmd = "python benchmarks/data_throughput.py " + " ".join(shlex.quote(str(portable(a))) for a in argv)
     ta, tf, cb, pf = (rows.get(s) for s in STAGES)
     today = {k: _today(ta, tf, k) for k in ("seconds", "cpu_seconds")} if ta and tf else None
@@ -133,7 +134,8 @@ def report(args, rows: dict, argv) -> None:
              f"Machine: {cpu_name()} ({cores} cores to this run); shared with other work while it ran.  Target "
              f"{os.path.basename(os.path.normpath(args.target))}; {args.num_conversations} ShareGPT first turns "
              f"(after the first {args.skip_conversations}), greedy, up to {args.max_new_tokens} answer tokens; "
-             "each stage in its own process, one after the other; engine start-up and model loading not counted.", "",
+             "each stage in its own process, one after the other, in this order: " + ", ".join(r["stage"] for r in runs)
+             + " (a stage run twice: its runs added up); engine start-up and model loading not counted.", "",
              "| stage | dtype | threads | tokens | answer tokens | wall s | CPU s | answer tok/s | featurized tok/s | "
              "featurized tokens per CPU-hour | vs today (wall / CPU time) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r, kind in table:
@@ -162,7 +164,7 @@ def report(args, rows: dict, argv) -> None:
               "today's two stages together, answer then featurize, per featurized token.  The one-pass stage's last "
               "row of each conversation is zero (the answer's last token is never fed to the model; nothing reads "
               "that row)."]
-    write_report(RESULTS, args.name, {"command": cmd, "machine": cpu_name(), "cores": cores, "stages": rows,
+    write_report(RESULTS, args.name, {"command": cmd, "machine": cpu_name(), "cores": cores, "stages": rows, "runs": runs,
                                       "today_featurized_tok_s": today}, lines)
     print("\n".join(lines))
 
@@ -186,17 +188,34 @@ def main(argv=None) -> int:
         with open(os.path.join(args.work, args.stage + ".json"), "w") as f:
             json.dump(res, f)
         return 0
-    rows = {}
+    runs = []
     with tempfile.TemporaryDirectory() as work:
         for s in args.stages.split(","):
             print(f"== {s}", flush=True)
             subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--stage", s, "--work", work],
                            check=True)
             with open(os.path.join(work, s + ".json")) as f:
-                rows[s] = json.load(f)
-            print(s, rows[s], flush=True)
-    report(args, rows, argv)
+                runs.append({"stage": s, **json.load(f)})
+            print(runs[-1], flush=True)
+    report(args, merge(runs), argv, runs)
     return 0
+
+
+def merge(runs: list[dict]) -> dict:
+    """Each stage's runs added up (tokens and seconds; a stage given twice in --stages, e.g. first and last, evens
+    out a load that changes during the run)."""
+    rows: dict = {}
+    for r in runs:
+        if r["stage"] not in rows:
+            rows[r["stage"]] = {k: v for k, v in r.items() if k != "stage"}
+            rows[r["stage"]]["runs"] = 1
+            continue
+        m = rows[r["stage"]]
+        m["runs"] += 1
+        for k in ("tokens", "answer_tokens", "seconds", "cpu_seconds", "last_row_zero"):
+            if k in r:
+                m[k] += r[k]
+    return rows
 
 
 if __name__ == "__main__":
