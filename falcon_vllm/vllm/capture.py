@@ -41,7 +41,7 @@ class StateCapture:
         self.step: tuple[list[str], list[int]] | None = None
         self.rows = 0  # rows captured (prefill and decode), for the throughput figures
         if self.aux_layers:
-            model = runner.get_model()
+            model = runner.model
             if not hasattr(model, "set_aux_hidden_state_layers"):
                 raise ValueError(f"falcon-vllm: {type(model).__name__} cannot return intermediate states "
                                  "(no set_aux_hidden_state_layers): --aux-layers needs an EAGLE-3-capable model")
