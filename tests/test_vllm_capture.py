@@ -13,6 +13,7 @@ import torch
 
 from tests.vllm_util import save_target  # noqa: I001 (sets the in-process engine's environment first)
 from falcon_vllm.testing import tiny_llama
+from falcon_vllm.train.answer_files import answers_meta
 from falcon_vllm.train.gen_data import load_shards
 
 AUX = (2, 1)  # out of order on purpose: the data keeps the order asked for
@@ -91,3 +92,6 @@ def test_gen_data_featurizer_vllm_agrees_with_the_transformers_shards(tiny, tmp_
         assert ((z.features.float() - y.features.float()).abs() <= bf16_step).all()
     with pytest.raises(ValueError, match="other --featurizer"):
         gen_data.run(path, str(one), 5, 10, answers=ans, model=model, **kw)
+    # features rebuilt from part of an answers file that the same run saves to: the file is not shrunk
+    gen_data.run(path, str(tmp_path / "part"), 3, 10, answers=ans, model=model, save_answers_to=ans, **kw)
+    assert answers_meta(ans)["conversations"] == "5"

@@ -17,13 +17,18 @@ GENERATION = {"target": "greedy (self-distillation)", "data": "the data's own re
 ANSWER_DEFAULTS = {"loss_from_turn": "1", "generation": GENERATION["target"]}  # files from before the keys
 
 
-def save_answers(out_dir: str, path: str) -> int:
+def save_answers(out_dir: str, path: str, keep_longer: bool = False) -> int:
     """Write the token sequences and loss masks of a gen-data directory's shards (contiguous from the first;
     no hidden states) into one safetensors file, with the generation settings as metadata.  Returns the
-    number of conversations written."""
+    number of conversations written.  ``keep_longer``: a file at ``path`` that already holds more conversations
+    than the directory (features being rebuilt from it) is left as it is (its count returned)."""
     from safetensors import safe_open
 
     man = json.loads(Path(out_dir, "manifest.json").read_text())
+    if keep_longer and os.path.exists(path):
+        held = int(answers_meta(path).get("conversations", 0))
+        if held > sum(sh["conversations"] for sh in man["shards"]):
+            return held
     toks, masks, offsets = [], [], [0]
     for i, sh in enumerate(sorted(man["shards"], key=lambda sh: sh["file"])):
         if sh["file"] != f"shard_{i:05d}.safetensors":

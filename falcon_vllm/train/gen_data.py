@@ -261,7 +261,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
             if save_answers_to:
-                save_answers(str(out), save_answers_to)
+                save_answers(str(out), save_answers_to, keep_longer=True)  # not shrunk by a rebuild from it
             bar.update(len(shard))
             gen_s = sum(sh.get("generate_s", 0) + sh.get("featurize_s", 0) for sh in manifest["shards"])
             toks = [sum(sh.get(k, 0) for sh in manifest["shards"]) for k in ("answer_tokens", "tokens")]
@@ -511,5 +511,5 @@ def main(args):
               featurizer=args.featurizer, featurize_dtype=args.featurize_dtype, save_answers_to=args.save_answers)
     print(f"wrote {out}")
     if args.save_answers:
-        print(f"wrote {save_answers(str(out), args.save_answers)} conversations' tokens to {args.save_answers}")
+        print(f"{args.save_answers} holds {save_answers(str(out), args.save_answers, True)} conversations' tokens")
     return 0
