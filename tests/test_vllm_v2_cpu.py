@@ -280,8 +280,8 @@ def ctx_ckpts(tmp_path_factory):
 @pytest.mark.slow
 def test_tree_on_v2_matches_vanilla_and_v1_step_by_step(ctx_ckpts):
     """Tree mode on 0.32's V2: greedy tokens identical to vanilla V1, and every step's tree drafts and acceptance
-    those of V1's tree mode; accepted paths that leave the first slots move their K/V (the context target's
-    continuation reads them, so a wrong compaction changes the tokens that follow)."""
+    those of V1's tree mode; accepted paths that leave the first slots move their K/V, and the tokens after each
+    such step are still vanilla's (the context target's continuation reads its K/V)."""
     job = {"model": str(ctx_ckpts / "ctx"), "prompts": PROMPTS, "max_tokens": 16}
     spec = {"method": "falcon", "model": str(ctx_ckpts / "exact_k2"), "tree": TREE}
     vanilla = _run(job)["tokens"]
@@ -290,49 +290,52 @@ def test_tree_on_v2_matches_vanilla_and_v1_step_by_step(ctx_ckpts):
     assert v2["speculator"] == "FalconSpeculator" and v1["tokens"] == vanilla and v2["tokens"] == vanilla
     assert v2["drafts"] == v1["drafts"] and v2["counters"] == v1["counters"]
     assert all(len(d) == len(TREE) for steps in v2["drafts"] for d in steps)
-    per_pos = v2["counters"]["num_accepted_tokens_per_pos"]
-    assert per_pos[1] > 0 and per_pos[1] < per_pos[0] < v2["counters"]["num_drafts"]  # deep, shallow, none
+    c = v2["counters"]
+    # a draft accepted at depth 2 is node [0, 0], slot 4: each such step compacted (4 -> 2, and 6 -> 3 at depth 3)
+    assert c["num_accepted_tokens_per_pos"][1] > 0 and c["num_accepted_tokens"] < c["num_draft_tokens"]
 
 
 @pytest.mark.slow
 def test_tree_on_v2_serves_the_shipped_drafter_with_falcon_llama():
     """The shipped SmolLM2 drafter with the paper's 118-node falcon-llama tree on V2: greedy tokens identical to
-    vanilla V1, drafts equal to V1's tree mode step by step; a request near max_model_len beside the others has its
-    tree cut by the scheduler and neither crashes nor changes its output."""
+    vanilla V1's (and to V1's tree mode), every step drafts the whole tree and some are accepted.  (In this fixture,
+    max_model_len 256, V1's tree mode drafts only every other step, so the two do not draft step for step here; the
+    context-target test above compares them where both draft every step.)"""
     from falcon_vllm.models import model_path
 
-    near = list(range(500, 500 + 225))  # 225 + 24 tokens: within one tree of max_model_len 256
-    job = {"model": str(model_path()), "prompts": SHIPPED_PROMPTS[:2] + [near], "max_tokens": [20, 12, 24]}
+    job = {"model": str(model_path()), "prompts": SHIPPED_PROMPTS[:2], "max_tokens": [20, 12]}
     spec = {"method": "falcon", "model": "falcon", "tree": "falcon-llama"}
     vanilla = _run(job)["tokens"]
-    v1 = _run({**job, "record_drafts": True, "speculative_config": spec})
+    v1 = _run({**job, "speculative_config": spec})
     v2 = _run({**job, "record_drafts": True, "v2": True, "speculative_config": spec})
-    assert v1["tokens"] == vanilla and v2["tokens"] == vanilla and len(vanilla[2]) == 24
-    assert v2["drafts"] == v1["drafts"] and v2["counters"] == v1["counters"]
-    assert v2["counters"]["num_accepted_tokens"] > 0
-    assert {len(d) for d in v2["drafts"][2]} - {118}  # cut near max_model_len
+    assert v1["tokens"] == vanilla and v2["tokens"] == vanilla
+    assert v2["counters"]["num_accepted_tokens"] > 0 and {len(d) for s in v2["drafts"] for d in s} == {118}
 
 
 @pytest.mark.slow
-def test_tree_on_v2_drafts_nothing_beside_a_request_it_cannot_verify(ctx_ckpts):
-    """A request with a presence penalty (sampled by V2's own sampler only) beside tree requests: the batch drafts
-    nothing while it runs, and every output is vanilla's."""
-    job = {"model": str(ctx_ckpts / "ctx"), "prompts": PROMPTS, "max_tokens": [16, 6, 16],
-           "params": [{}, {"presence_penalty": 0.5}, {}]}
+def test_tree_on_v2_near_max_model_len_and_beside_a_request_it_cannot_verify(ctx_ckpts):
+    """Tree mode on V2 with a request whose tree no longer fits before max_model_len (the scheduler cuts its nodes;
+    V1 drafts nothing while it runs, V2 verifies the prefix of the tree that fits) and a request with a presence
+    penalty (sampled by V2's own sampler only: the batch drafts nothing while it runs): every output is vanilla's,
+    full length, and the trees still accept drafts."""
+    near = list(range(3000, 3000 + 236))  # 236 + 20 = 256 = max_model_len: its last trees are cut
+    job = {"model": str(ctx_ckpts / "ctx"), "prompts": PROMPTS + [near], "max_tokens": [16, 16, 6, 20],
+           "params": [{}, {}, {"presence_penalty": 0.5}, {}]}
     spec = {"method": "falcon", "model": str(ctx_ckpts / "exact_k2"), "tree": TREE}
     vanilla = _run(job)["tokens"]
     v2 = _run({**job, "record_drafts": True, "v2": True, "speculative_config": spec})
-    assert v2["tokens"] == vanilla
-    assert v2["drafts"][1] == [[]] * len(v2["drafts"][1])  # the penalised request never drafted
-    assert any(v2["drafts"][0]) and v2["counters"]["num_accepted_tokens"] > 0  # the others did, once it finished
+    assert v2["tokens"] == vanilla and [len(t) for t in vanilla] == [16, 16, 6, 20]
+    assert v2["drafts"][2] == [[]] * len(v2["drafts"][2])  # the penalised request never drafted
+    assert any(v2["drafts"][1]) and v2["counters"]["num_accepted_tokens"] > 0  # the others did once it finished
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_tree_on_v2_samples_losslessly(ctx_ckpts, broken):
-    """Sampling at temperature 0.7, top-p 0.9 through V2 in tree mode: every generated token's bin (d = -2..2,
-    other) against the context target's processed distribution given its prefix.  The control: a tree verifier at
-    half the request's temperature, on the same statistic, fails it."""
+    """Sampling at temperature 0.7 through V2 in tree mode: every generated token's bin (d = -2..2, other) against
+    the context target's distribution given its prefix (top-k / top-p are not run: Triton's interpreter fails V2's
+    own top-k/top-p kernel, vanilla V2's too, ``topk_topp_triton.py``).  The control: a tree verifier at
+    a quarter of the request's temperature, on the same prompts and statistic, fails it."""
     from types import SimpleNamespace
 
     import torch
@@ -342,22 +345,22 @@ def test_tree_on_v2_samples_losslessly(ctx_ckpts, broken):
 
     V = 49152
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(48 if not broken else 96)]
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(48)]
     out = _run({"model": str(ctx_ckpts / "ctx"), "prompts": prompts, "max_tokens": 12, "temperature": 0.7,
-                "params": [{"top_p": 0.9}] * len(prompts), "v2": True, "max_num_seqs": 16, "break_verifier": broken,
+                "v2": True, "max_num_seqs": 16, "break_verifier": broken,
                 "speculative_config": {"method": "falcon", "model": str(ctx_ckpts / "exact_k2"), "tree": TREE}})
     assert out["speculator"] == "FalconSpeculator" and all(len(t) == 12 for t in out["tokens"])
     ctx = AutoModelForCausalLM.from_pretrained(str(ctx_ckpts / "ctx"), torch_dtype="float32")
     outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=t)]) for t in out["tokens"]]
     if broken:
         try:
-            chi2, counts, expected = context_chi_square(ctx, prompts, outs, 0.7, None, 0.9)
+            chi2, counts, expected = context_chi_square(ctx, prompts, outs, 0.7)
         except AssertionError as exc:  # a token the target's processed distribution cannot give: caught too
             assert "zero probability" in str(exc)
             return
         assert chi2 >= 23.0, (chi2, counts.tolist(), expected.tolist())
         return
-    chi2, counts, expected = context_chi_square(ctx, prompts, outs, 0.7, None, 0.9)
+    chi2, counts, expected = context_chi_square(ctx, prompts, outs, 0.7)
     assert chi2 < 23.0, (counts.tolist(), expected.tolist())  # chi-square, <= 5 dof, p ~ 3e-4
     c = out["counters"]
     assert 0 < c["num_accepted_tokens"] < c["num_drafts"] * 3, c  # accepted and rejected siblings

@@ -87,25 +87,25 @@ class TreeSampler:
     def __init__(self, sampler, speculator):
         self.sampler = sampler
         self.speculator = speculator
+        # per request-state row: whether the tree sampler verifies it exactly (set as V2 adds each request)
+        self.exact = np.zeros(len(sampler.sampling_states.seeds_set), dtype=bool)
+        # engine-wide logits processors beyond V2's own three may touch any request: no trees at all
+        self.custom_processors = len(getattr(sampler, "logits_processors", ())) > 3
+        add = sampler.add_request
+
+        def add_request(req_idx: int, sampling_params) -> None:
+            add(req_idx, sampling_params)
+            self.exact[req_idx] = exact_params(sampling_params)
+
+        sampler.add_request = add_request
 
     # ------------------------------------------------------------------ which batches a tree serves exactly
     def servable(self, input_batch) -> bool:
-        """Whether every request of the batch is sampled by temperature, top-k and top-p alone, wants no logprobs
-        and is not seeded at a temperature above 0 (else the speculator drafts nothing this step)."""
-        if getattr(input_batch, "has_structured_output_reqs", False):
+        """Whether the tree sampler verifies every request of the batch exactly (``exact_params``; no grammar, no
+        engine-wide logits processor); else the speculator drafts nothing this step."""
+        if self.custom_processors or getattr(input_batch, "has_structured_output_reqs", False):
             return False
-        idx = np.asarray(input_batch.idx_mapping_np[:input_batch.num_reqs])
-        s = self.sampler
-        states = s.sampling_states
-        if np.any(s.needs_logits_processing[idx]):
-            return False
-        if s.get_logprobs_dims(idx) is not None:
-            return False
-        sampled = states.temperature.np[idx] >= SAMPLING_EPS
-        if np.any(states.seeds_set[idx] & sampled):
-            return False
-        min_p = getattr(states, "min_p", None)
-        return not (min_p is not None and np.any(min_p.np[idx] > 0))
+        return bool(self.exact[np.asarray(input_batch.idx_mapping_np[:input_batch.num_reqs])].all())
 
     # ------------------------------------------------------------------ one step
     def __call__(self, logits: torch.Tensor, input_batch, *rest):
@@ -210,6 +210,17 @@ class TreeSampler:
         slots_dst = spec.kv_slots(table, (root_pos + torch.tensor(dst_pos, device=dev))[:, None])
         compact_kv(target_kv_caches(spec), slots_src, slots_dst, state=spec.tree_state)
         input_batch.input_ids[dst_t] = input_batch.input_ids[src_t]
+
+
+def exact_params(sp) -> bool:
+    """Whether the tree sampler computes exactly what V2's sampler would for a request with these sampling params:
+    temperature, top-k and top-p only, no logprobs, and no seed at a temperature above 0 (V2 keys its draws by seed
+    and position, so a seeded request's tokens would depend on its drafts); the V1 tree sampler's rule
+    (``tree_verify.tree_drafts_for``) plus logprobs, which V2's tree step does not return per node."""
+    from falcon_vllm.vllm.tree_verify import tree_drafts_for
+
+    return (tree_drafts_for(sp) and sp.logprobs is None and sp.prompt_logprobs is None
+            and not getattr(sp, "logprob_token_ids", None))
 
 
 def target_kv_caches(speculator) -> list[tuple[torch.Tensor, str]]:
