@@ -30,10 +30,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the harness
-from harness.machine import cpu_name  # noqa: E402
-from harness.paths import RESULTS, portable  # noqa: E402
-from harness.report import write_report  # noqa: E402
+from harness.machine import cpu_name
+from harness.paths import RESULTS, portable
+from harness.report import write_report
 
 STAGES = ("today-answer", "today-featurize", "combined", "prefill")
 
