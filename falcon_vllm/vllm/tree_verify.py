@@ -42,13 +42,13 @@ from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_b
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_tokens, sample_verify
 from falcon_vllm.vllm import patches
+from falcon_vllm.vllm.drafting import SAMPLING_EPS
 from falcon_vllm.vllm.live import falcon_proposer
 from falcon_vllm.vllm.paged_kv import kv_layout, paged_kv, to_device, tree_attention_scope
 from falcon_vllm.vllm.tree_compaction import _use_compaction_kernel, compact, compact_kv  # noqa: F401 (tests')
 from falcon_vllm.vllm.tree_draft import TreeState, cuda_tree_kernel
 from falcon_vllm.vllm.tree_startup import _unsupported, check_startup  # noqa: F401 (tests' and the proposer's)
 
-_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
 # ---------------------------------------------------------------------------- target attention
@@ -269,7 +269,7 @@ def tree_drafts_for(sp) -> bool:
         sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_p or sp.min_tokens
         or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs is not None
         or getattr(sp, "thinking_token_budget", None) is not None
-        or (getattr(sp, "seed", None) is not None and sp.temperature >= _SAMPLING_EPS))
+        or (getattr(sp, "seed", None) is not None and sp.temperature >= SAMPLING_EPS))
 
 
 def _plain_requests(runner, widths) -> list[int]:
@@ -405,7 +405,7 @@ def _logprobs(runner, sm, logits, out, starts, paths, plain, plain_lp):
     if mode.startswith("processed"):
         per_row = lambda x: None if x is None else x.repeat_interleave(width)  # noqa: E731
         if sm.temperature is not None:
-            lg = lg.div_(per_row(torch.where(sm.temperature < _SAMPLING_EPS, 1.0, sm.temperature)).unsqueeze(1))
+            lg = lg.div_(per_row(torch.where(sm.temperature < SAMPLING_EPS, 1.0, sm.temperature)).unsqueeze(1))
         lg = apply_top_k_top_p(lg, per_row(sm.top_k), per_row(sm.top_p))
     lp = lg if mode.endswith("logits") else runner.sampler.compute_logprobs(lg)
     if plain and plain_lp is not None:

@@ -34,11 +34,11 @@ import dataclasses
 import numpy as np
 import torch
 
+from falcon_vllm.vllm.drafting import SAMPLING_EPS
 from falcon_vllm.vllm.paged_kv import _ACTIVE, kv_layout
 from falcon_vllm.vllm.tree_compaction import compact_kv
 from falcon_vllm.vllm.tree_verify import plan_tree_rows, verify_requests
 
-SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
 @dataclasses.dataclass
