@@ -189,7 +189,6 @@ def test_034_config_setup_and_speculator_build(checks):
 
 
 @pytest.mark.parametrize("case,says", [
-    ("tree", "falcon-vllm: tree mode"),
     ("level_embedding", "falcon-vllm: this drafter was trained with level embeddings"),
     ("unknown", "falcon-vllm: unknown option(s) ['no_such_option']"),
     ("field_in_options", "falcon-vllm: ['num_speculative_tokens'] are fields of the speculative config"),
@@ -206,6 +205,11 @@ def test_lookup_and_draft_temperature_scale_are_accepted_on_034(checks):
     """Prompt lookup (ragged drafts, v2/ragged.py) and a draft temperature scale are served on V2 now: the config
     builds (the speculator refuses ragged drafts under async scheduling at start-up, as the V1 proposer does)."""
     assert checks["errors"]["lookup"] is None and checks["errors"]["temperature_scale"] is None
+
+
+def test_tree_mode_is_accepted_on_034(checks):
+    """Tree mode runs on Model Runner V2 (v2/tree.py): the config builds on 0.34's classes."""
+    assert checks["errors"]["tree"] is None
 
 
 def test_the_032_user_interface_works_on_034(checks):
