@@ -46,9 +46,10 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "falcon_vllm.vllm.model:EagleFalconForCausalLM")
     register_speculative_method(METHOD, FalconSpeculatorConfig)
-    from falcon_vllm.vllm.v2 import cli
+    from falcon_vllm.vllm.v2 import cli, ragged
 
     cli.install()  # the same flags and keys as on vLLM 0.32/0.33
+    ragged.install()  # per-request draft lengths to the scheduler
 
 
 def install_runner_hook() -> bool:
@@ -76,6 +77,9 @@ def install_runner_hook() -> bool:
         return init_speculator
 
     installed = patches.wrap(spec_decode, "init_speculator", make)
+    from falcon_vllm.vllm.v2 import ragged
+
+    ragged.install()  # per-request draft lengths to the scheduler (changes nothing without a ragged speculator)
     runner = sys.modules.get(V2_RUNNER)  # imported before the plugin: its name still points at vLLM's own
     if runner is not None and getattr(runner, "init_speculator", None) is patches.original(spec_decode,
                                                                                           "init_speculator"):

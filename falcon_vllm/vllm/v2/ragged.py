@@ -19,14 +19,19 @@ HANDLER = "vllm.v1.worker.gpu.spec_decode.utils:DraftTokensHandler"
 _speculators: weakref.WeakSet = weakref.WeakSet()  # live Falcon speculators that draft ragged (one per worker)
 
 
-def register(speculator) -> None:
-    """Hand ``speculator``'s per-request lengths to the scheduler from now on (only if it drafts ragged)."""
-    if not getattr(speculator, "ragged", False):
-        return
+def install() -> None:
+    """Wrap ``DraftTokensHandler.get_draft_tokens`` (idempotent; it changes nothing until a Falcon speculator that
+    drafts ragged registers)."""
     from falcon_vllm.vllm import patches
 
-    _speculators.add(speculator)
     patches.wrap(patches.resolve(HANDLER), "get_draft_tokens", _get_draft_tokens)
+
+
+def register(speculator) -> None:
+    """Hand ``speculator``'s per-request lengths to the scheduler from now on (only if it drafts ragged)."""
+    if getattr(speculator, "ragged", False):
+        install()
+        _speculators.add(speculator)
 
 
 def lengths() -> dict[str, int]:
