@@ -335,7 +335,7 @@ def test_tree_on_v2_samples_losslessly(ctx_ckpts, broken):
     """Sampling at temperature 0.7 through V2 in tree mode: every generated token's bin (d = -2..2, other) against
     the context target's distribution given its prefix (top-k / top-p are not run: Triton's interpreter fails V2's
     own top-k/top-p kernel, vanilla V2's too, ``topk_topp_triton.py``).  The control: a tree verifier at
-    a quarter of the request's temperature, on the same prompts and statistic, fails it."""
+    1/100 of the request's temperature (nearly greedy), on the same prompts and statistic, fails it."""
     from types import SimpleNamespace
 
     import torch

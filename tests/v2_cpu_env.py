@@ -42,11 +42,11 @@ def serve(job: dict) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from falcon_vllm.vllm.engine import shutdown_llm, spec_counters
 
-    if job.get("break_verifier"):  # a tree verifier at a quarter of the request's temperature (a control)
+    if job.get("break_verifier"):  # a tree verifier at 1/100 of the request's temperature (a control)
         from falcon_vllm.vllm import tree_verify
 
         orig = tree_verify.sample_verify
-        tree_verify.sample_verify = lambda tree, nodes, lg, t, *a, **kw: orig(tree, nodes, lg, t / 4, *a, **kw)
+        tree_verify.sample_verify = lambda tree, nodes, lg, t, *a, **kw: orig(tree, nodes, lg, t / 100, *a, **kw)
     llm = LLM(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 256), enforce_eager=True,
               max_num_seqs=job.get("max_num_seqs", 4), seed=0, disable_log_stats=False,
               speculative_config=job.get("speculative_config"))
