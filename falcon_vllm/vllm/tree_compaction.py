@@ -14,9 +14,15 @@ from falcon_vllm.vllm.tree_draft import TreeState
 
 
 def _target_kv_caches(runner) -> list[tuple[torch.Tensor, str]]:
-    """The target's attention layers' KV caches and layouts (the drafter's layers left out)."""
-    ctx = runner.vllm_config.compilation_config.static_forward_context
-    draft = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    """The V1 runner's target KV caches (:func:`target_kv_caches`)."""
+    return target_kv_caches(runner.vllm_config, getattr(runner.drafter, "_draft_attn_layer_names", ()))
+
+
+def target_kv_caches(vllm_config, draft_layer_names) -> list[tuple[torch.Tensor, str]]:
+    """The target's attention layers' KV caches and layouts (the drafter's layers, ``draft_layer_names``, left out);
+    any runner."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    draft = set(draft_layer_names or ())
     out = []
     for name, layer in ctx.items():
         if name in draft or not hasattr(layer, "kv_cache") or not hasattr(layer, "impl"):

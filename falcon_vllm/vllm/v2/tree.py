@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from falcon_vllm.vllm.drafting import SAMPLING_EPS
-from falcon_vllm.vllm.paged_kv import _ACTIVE, kv_layout
-from falcon_vllm.vllm.tree_compaction import compact_kv
+from falcon_vllm.vllm.paged_kv import _ACTIVE
+from falcon_vllm.vllm.tree_compaction import compact_kv, target_kv_caches
 from falcon_vllm.vllm.tree_verify import plan_tree_rows, verify_requests
 
 
@@ -208,7 +208,8 @@ class TreeSampler:
         table = spec.block_tables.input_block_tables[0][torch.tensor(reqs, dtype=torch.long, device=dev)]
         slots_src = spec.kv_slots(table, (root_pos + torch.tensor(src_pos, device=dev))[:, None])
         slots_dst = spec.kv_slots(table, (root_pos + torch.tensor(dst_pos, device=dev))[:, None])
-        compact_kv(target_kv_caches(spec), slots_src, slots_dst, state=spec.tree_state)
+        compact_kv(target_kv_caches(spec.vllm_config, spec.draft_attn_layer_names), slots_src, slots_dst,
+                   state=spec.tree_state)
         input_batch.input_ids[dst_t] = input_batch.input_ids[src_t]
 
 
@@ -221,19 +222,3 @@ def exact_params(sp) -> bool:
 
     return (tree_drafts_for(sp) and sp.logprobs is None and sp.prompt_logprobs is None
             and not getattr(sp, "logprob_token_ids", None))
-
-
-def target_kv_caches(speculator) -> list[tuple[torch.Tensor, str]]:
-    """The target's attention layers' KV caches and layouts (the drafter's layers left out)."""
-    ctx = speculator.vllm_config.compilation_config.static_forward_context
-    draft = set(getattr(speculator, "draft_attn_layer_names", ()) or ())
-    out = []
-    for name, layer in ctx.items():
-        if name in draft or not hasattr(layer, "kv_cache") or not hasattr(layer, "impl"):
-            continue
-        kv = layer.kv_cache
-        if isinstance(kv, (list, tuple)):
-            kv = kv[0]
-        if isinstance(kv, torch.Tensor) and kv.numel():
-            out.append((kv, kv_layout(layer.impl, layer)))
-    return out
