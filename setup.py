@@ -2,7 +2,7 @@
 
 import re
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # the supported vLLM range is stated once, in falcon_vllm/vllm/patches.py
 SUPPORTED_VLLM = re.search(r'^SUPPORTED_VLLM = "([^"]+)"', open("falcon_vllm/vllm/patches.py").read(), re.M).group(1)
@@ -14,7 +14,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["falcon_vllm", "falcon_vllm.vllm", "falcon_vllm.train", "falcon_vllm.kernels"],
+    packages=find_packages(include=["falcon_vllm", "falcon_vllm.*"]) + ["falcon_vllm.kernels"],
     package_dir={"falcon_vllm.kernels": "kernels"},
     package_data={"falcon_vllm": ["drafters/*/*.json", "drafters/*/*.safetensors", "drafters/*/*.npz",
                                   "drafters/*/*.md"]},

@@ -289,7 +289,7 @@ class Step:
     """Caches, requests, runner stand-in and oracle data of one case."""
 
     def __init__(self, case: Case, ns, dev, layers: int, max_prefix: int, vocab: int, all_full: bool = False):
-        from falcon_vllm.vllm.tree_draft import TreeState
+        from falcon_vllm.core.tree_draft import TreeState
 
         self.case, self.dev, self.L = case, dev, layers
         seed = zlib.crc32(case.id.encode())
@@ -585,7 +585,7 @@ def check_v2_slots(ck: Checker, st: Step):
     must be the step's slots."""
     from types import SimpleNamespace
 
-    from falcon_vllm.vllm.drafting import FalconDrafting
+    from falcon_vllm.core.drafting import FalconDrafting
 
     core = SimpleNamespace(block_size=st.case.bs, max_model_len=1 << 30)
     box = {}
@@ -651,7 +651,7 @@ def check_draft(ck: Checker, st: Step, paths):
     """The drafter's tree passes through each of ``paths`` (as for the target attention): None is the plugin's own
     choice (``_draft_kernel``: the Triton kernel for CUDA tensors, else the dense path); on CUDA also the dense
     path, for its time and memory beside the kernel's."""
-    from falcon_vllm.vllm import tree_draft
+    from falcon_vllm.core import tree_draft
 
     if st.dev.type == "cuda":
         paths = list(paths) + [("dense", "dense")]
@@ -669,7 +669,7 @@ def check_draft(ck: Checker, st: Step, paths):
 
 
 def check_draft_path(ck: Checker, st: Step, path: str):
-    from falcon_vllm.vllm import tree_draft
+    from falcon_vllm.core import tree_draft
 
     case, tree, k = st.case, st.tree, st.tree.k
     B, d = case.B, case.d

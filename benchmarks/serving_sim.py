@@ -128,7 +128,7 @@ def walk(tokens: list[int], start: int, drafts: dict[int, list[int]] | None, pol
     when the policy drafts with the drafter); ``k``: the drafter's block size (tokens per pass)."""
     state = None
     if policy["lookup"] is not None:  # the proposer's own lookup (vLLM's matcher, its adaptive lengths)
-        from falcon_vllm.vllm.lookup import LookupState
+        from falcon_vllm.core.lookup import LookupState
 
         K, L0, N, M = policy["lookup"]
         state = LookupState(N, M, policy["drafter"], L0 if L0 < K else None)

@@ -1,12 +1,13 @@
-"""The drafting core (falcon_vllm.vllm.drafting) on plain tensors and a fake drafter: no vLLM engine."""
+"""The drafting core (falcon_vllm.core.drafting) on plain tensors and a fake drafter: no vLLM engine."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from falcon_vllm.core.drafting import PADDING_SLOT_ID, FalconDrafting
+from falcon_vllm.core.plan import StepPlan
 from falcon_vllm.serving import Serving
-from falcon_vllm.vllm.drafting import PADDING_SLOT_ID, FalconDrafting
 
 H, BS = 4, 4  # hidden size, KV block size
 
@@ -106,10 +107,11 @@ def test_prompt_lookup_for_every_request_defers_the_pass_and_the_next_one_runs_i
     the next step's fused pass runs them first, causally, before its own chunk."""
     prop = FakeDrafter()
     table = torch.tensor([[0, 1, 2, 3]])
-    prop.lookup = SimpleNamespace(all_matched=True, falcon_tokens=4)
+    prop.lookup = SimpleNamespace(falcon_tokens=4)
+    prop.step_plan = StepPlan(4, [[7, 7]], [False], 0)                      # every request matched: no chain
     _step(prop, [(0, 0, 5)], table)
     assert prop.layouts == [] and prop.deferred_steps == 1 and prop.steps == 0
-    prop.lookup.all_matched = False
+    prop.step_plan = StepPlan(4, [[]], [False], 4)
     _step(prop, [(0, 5, 3)], table)
     _, plan, ids = prop.layouts[0]
     assert plan.positions.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]               # deferred 0..4, chunk 5, block [6 7]
@@ -138,7 +140,7 @@ def test_ngram_draft_is_vllms_ngram_draft():
     import numpy as np
 
     ngram = pytest.importorskip("vllm.v1.spec_decode.ngram_proposer")
-    from falcon_vllm.vllm.lookup import ngram_draft
+    from falcon_vllm.core.lookup import ngram_draft
 
     rng = np.random.default_rng(0)
     found = 0

@@ -315,7 +315,7 @@ def test_drafter_tree_passes_through_the_kernel(monkeypatch, Hq, Hkv, dtype):
     (CUDA's path; forced here) they give what the dense path gives, pass after pass (falcon-llama's three SAR
     tree passes, three requests with prefixes off block multiples), and never gather the prefix."""
     pytest.importorskip("vllm")
-    from falcon_vllm.vllm import tree_draft
+    from falcon_vllm.core import tree_draft
 
     tree, D, bs = build_tree("falcon-llama", 2), 64, 16
     k, B = tree.k, 3

@@ -11,25 +11,25 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from falcon_vllm.vllm.lookup import LookupState
-from falcon_vllm.vllm.stash import BlockInputStash
+from falcon_vllm.core.lookup import LookupState
+from falcon_vllm.core.plan import StepPlan
+from falcon_vllm.core.stash import BlockInputStash
+from falcon_vllm.vllm.hooks import plan_v1_step
 
 V, H = 11, 4
 
 
 def _state(drafts, withheld):
-    lk = LookupState(2, 3, falcon_tokens=3)
-    lk.drafts, lk.withheld = drafts, withheld
-    return lk
+    return LookupState(2, 3, falcon_tokens=3), StepPlan(3, drafts, withheld, 3)
 
 
 def test_merge_sampled_chains_when_every_draft_is_shorter_than_k():
     """A gapped request (no lookup draft, no chain) beside 1-token lookup drafts: the merged proposals are as wide
     as the longest draft (1), below the chain's K (3).  This raised before the fix."""
-    lk = _state([[], [7], [8]], [True, False, False])
+    lk, plan = _state([[], [7], [8]], [True, False, False])
     chain = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 1, 1]])
     probs = torch.rand(3, 3, V).softmax(-1)
-    drafts, merged = lk.merge(chain, probs)
+    drafts, merged = lk.merge(plan, chain, probs)
     assert drafts == [[], [7], [8]]
     assert merged.shape == (3, 1, V)
     assert merged[1, 0].tolist() == torch.nn.functional.one_hot(torch.tensor(7), V).float().tolist()
@@ -37,9 +37,9 @@ def test_merge_sampled_chains_when_every_draft_is_shorter_than_k():
 
 
 def test_merge_keeps_the_chain_rows_of_requests_without_lookup():
-    lk = _state([[], [9, 9, 9, 9]], [False, False])
+    lk, plan = _state([[], [9, 9, 9, 9]], [False, False])
     probs = torch.rand(2, 3, V).softmax(-1)
-    drafts, merged = lk.merge(torch.tensor([[1, 2, 3], [4, 5, 6]]), probs)
+    drafts, merged = lk.merge(plan, torch.tensor([[1, 2, 3], [4, 5, 6]]), probs)
     assert drafts == [[1, 2, 3], [9, 9, 9, 9]] and merged.shape == (2, 4, V)
     assert torch.equal(merged[0, :3], probs[0]) and float(merged[0, 3].sum()) == 0.0
     assert merged[1, :, 9].tolist() == [1.0] * 4
@@ -66,9 +66,9 @@ def test_gaps_of_finished_requests_are_forgotten_in_steps_that_draft_nothing():
 def test_a_request_left_out_of_one_step_keeps_its_gap():
     lk = LookupState(2, 3, falcon_tokens=2)
     lk.skipped(["a", "b"], alive=["a", "b"])
-    lk.plan(_runner(["b"], alive=["a", "b"]), torch.full((1, 1), -1), 2)   # "a" is not scheduled this step
-    assert lk.gapped == {"a", "b"} and lk.withheld == [True]
-    lk.plan(_runner(["a"], alive=["a"]), torch.full((1, 1), -1), 2)        # "b" finished
+    plan = plan_v1_step(lk, _runner(["b"], alive=["a", "b"]), torch.full((1, 1), -1), 2)  # "a" is not scheduled
+    assert lk.gapped == {"a", "b"} and plan.withheld == [True] and plan.chain == 0
+    plan_v1_step(lk, _runner(["a"], alive=["a"]), torch.full((1, 1), -1), 2)              # "b" finished
     assert lk.gapped == {"a"}
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from falcon_vllm.vllm.stash import BlockInputStash
+from falcon_vllm.core.stash import BlockInputStash
 
 H = 4
 

@@ -264,7 +264,8 @@ def test_lookup_length_record_at_small_budgets():
 
     import numpy as np
 
-    from falcon_vllm.vllm.lookup import LookupState
+    from falcon_vllm.core.lookup import LookupState
+    from falcon_vllm.vllm.hooks import plan_v1_step
 
     hist = [1, 2, 3, 4, 5] * 4  # periodic: every suffix has an earlier match
 
@@ -273,10 +274,8 @@ def test_lookup_length_record_at_small_budgets():
                                 num_tokens_no_spec=np.array([len(hist)]))
         runner = SimpleNamespace(input_batch=batch, discard_request_mask=SimpleNamespace(np=np.array([False])),
                                  max_model_len=1024)
-        lk.plan(runner, torch.full((1, 1), -1), k)
-        d = lk.drafts[0]
+        d = plan_v1_step(lk, runner, torch.full((1, 1), -1), k).lookup[0]
         hist.extend(d + [(len(hist) + len(d)) % 5 + 1])  # accepted whole, then the bonus token
-        lk.drafts = None
         return len(d)
 
     lk = LookupState(2, 3, falcon_tokens=2, lookup_tokens=2)
@@ -287,8 +286,8 @@ def _record_merged(lk):
     """Wrap a LookupState instance's merge() to record each step's drafts (batch 1: the request's draft)."""
     log, orig = [], lk.merge
 
-    def merge(falcon, probs=None):
-        out = orig(falcon, probs)
+    def merge(plan, falcon, probs=None):
+        out = orig(plan, falcon, probs)
         log.append(out[0][0])
         return out
 
@@ -316,8 +315,8 @@ def test_prompt_lookup_first_then_falcon(engines, ckpts, name):
     assert lk.lookup_tokens == (2 if adaptive else 4)
     log, orig = [], lk.merge
 
-    def merge(falcon, probs=None):
-        out = orig(falcon, probs)
+    def merge(plan, falcon, probs=None):
+        out = orig(plan, falcon, probs)
         ids = [r.rsplit("-", 1)[0] for r in runner_of(llm).input_batch.req_ids]  # the user's id + a suffix
         log.append((dict(zip(ids, out[0])), falcon.shape[1] == 0))
         return out
@@ -435,8 +434,8 @@ def test_datastore_drafts_where_lookup_finds_nothing(engines, ckpts):
     assert lk.store is not None and len(lk.store) == len(store) and lk.store_tokens == 3
     log, orig = [], lk.merge
 
-    def merge(falcon, probs=None):
-        out = orig(falcon, probs)
+    def merge(plan, falcon, probs=None):
+        out = orig(plan, falcon, probs)
         log.append(dict(zip([r.rsplit("-", 1)[0] for r in runner_of(llm).input_batch.req_ids], out[0])))
         return out
 
@@ -472,7 +471,7 @@ def test_datastore_drafts_where_lookup_finds_nothing(engines, ckpts):
     assert counts["store"] > 0 and counts["chain"] > 0, counts
     assert store_accepted > 10, (store_accepted, counts)  # the stored answers are the target's own
     # datastore_max_batch 1 (as the shipped serving.json): the store is looked up only in steps of one request
-    from falcon_vllm.vllm import lookup
+    from falcon_vllm.core import lookup
 
     steps, orig_drafts = [], lookup.lookup_drafts
 

@@ -21,7 +21,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, comput
                                         create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from falcon_vllm.vllm import paged_kv, tree_draft, tree_verify  # noqa: E402
+from falcon_vllm.core import paged_kv, tree_draft  # noqa: E402
+from falcon_vllm.vllm import tree_verify  # noqa: E402
 
 L, NB, HKV, HQ = 2, 6, 2, 4
 CASES = [("flash", lay, 16, 64) for lay in KVCacheLayout] + [("cpu", KVCacheLayout.LBHNC, 32, 32),

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from falcon_vllm.vllm import paged_kv, patches, register  # noqa: E402
+from falcon_vllm.vllm import attention_hook, patches, register  # noqa: E402
 
 
 def test_every_patch_is_installed_once_and_keeps_vllms_original():
@@ -85,11 +85,11 @@ def _cpu_layer(bs=16, hkv=2, d=32):
 
 def test_start_up_probe_reads_back_what_the_backend_wrote(monkeypatch):
     cfg = _cpu_layer()
-    patches.check_instances(None, cfg, probe=paged_kv.probe_layout)
-    real = paged_kv.paged_kv
-    monkeypatch.setattr(paged_kv, "paged_kv", lambda kv, layout: real(kv, layout)[::-1])  # K and V swapped
+    patches.check_instances(None, cfg, probe=attention_hook.probe_layout)
+    real = attention_hook.paged_kv
+    monkeypatch.setattr(attention_hook, "paged_kv", lambda kv, layout: real(kv, layout)[::-1])  # K and V swapped
     with pytest.raises(patches.VllmVersionError, match="byte layout tree mode does not read"):
-        patches.check_instances(None, cfg, probe=paged_kv.probe_layout)
+        patches.check_instances(None, cfg, probe=attention_hook.probe_layout)
     patches.check_instances(None, cfg)  # chain mode reads no KV cache: no probe
     del cfg.compilation_config.static_forward_context["l0"].impl.kv_cache_dtype
     with pytest.raises(patches.VllmVersionError, match=r"lacks \['kv_cache_dtype'\]"):

@@ -490,7 +490,7 @@ def test_cpu_paged_layout_and_slot_copy(block_size, head_dim):
     copy_kv_slots moves exactly the K/V of the given slots."""
     from vllm import _custom_ops as ops
 
-    from falcon_vllm.vllm.paged_kv import copy_kv_slots, paged_kv
+    from falcon_vllm.core.paged_kv import copy_kv_slots, paged_kv
 
     nb, hkv, T = 4, 2, 9
     kv = torch.zeros(nb, hkv, block_size, 2 * head_dim)

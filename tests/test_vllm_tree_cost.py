@@ -8,7 +8,8 @@ pytest.importorskip("vllm")
 
 from falcon_vllm.tree import build_tree  # noqa: E402
 from falcon_vllm.verify import greedy_verify  # noqa: E402
-from falcon_vllm.vllm import tree_draft, tree_verify  # noqa: E402
+from falcon_vllm.core import tree_draft  # noqa: E402
+from falcon_vllm.vllm import tree_verify  # noqa: E402
 
 
 class FlashAttentionImplStub:  # kv_layout() reads the class name: FLASH_ATTN's paged layout

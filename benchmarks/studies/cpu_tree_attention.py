@@ -55,7 +55,7 @@ def load_tree_verify(checkout: str | None):
 
 def make_case(B: int, W: int, P: int, bs: int, seed: int = 0):
     from falcon_vllm.kernels.tree_attention import causal_tree_bits, tree_bits_from_parents
-    from falcon_vllm.vllm.paged_kv import paged_kv
+    from falcon_vllm.core.paged_kv import paged_kv
 
     g = torch.Generator().manual_seed(seed)
     words = (W + 31) // 32

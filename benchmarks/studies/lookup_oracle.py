@@ -61,12 +61,14 @@ def record(args) -> dict:
     from vllm import LLM, SamplingParams
 
     from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
-    from falcon_vllm.vllm.lookup import LookupState
+    from falcon_vllm.core.lookup import LookupState
+    from falcon_vllm.core.plan import StepPlan
+    from falcon_vllm.vllm import hooks
     from falcon_vllm.vllm.proposer import FalconProposer
 
     steps: list = []
     conf: list = []  # this step's chain: the drafter's probability of each drafted token (its argmax)
-    plan, merge, draft = LookupState.plan, LookupState.merge, FalconProposer._draft
+    plan, merge, draft = hooks.plan_v1_step, LookupState.merge, FalconProposer._draft
 
     def draft_and_note(self, rows, sampling_metadata=None, probs=None, gate=None):
         B, k, H = rows.shape
@@ -74,20 +76,21 @@ def record(args) -> dict:
         conf.extend(p.view(B, k)[0].tolist())
         return draft(self, rows, sampling_metadata, probs, gate)
 
-    def plan_and_note(self, runner, sampled, k):
-        plan(self, runner, sampled, k)
+    def plan_and_note(lookup, runner, sampled, k):
+        out = plan(lookup, runner, sampled, k)
         b = runner.input_batch
         new = (sampled.cpu().numpy()[0] >= 0).sum() if hasattr(sampled, "cpu") else 0
-        self._noted = int(b.num_tokens_no_spec[0] + new)
+        lookup._noted = int(b.num_tokens_no_spec[0] + new)
+        return out
 
-    def merge_and_note(self, falcon, probs=None):
+    def merge_and_note(self, step_plan, falcon, probs=None):
         chain = falcon.tolist()[0]
-        steps.append((self._noted, list(self.drafts[0]), chain, [round(c, 4) for c in conf[:len(chain)]]))
+        steps.append((self._noted, list(step_plan.lookup[0]), chain, [round(c, 4) for c in conf[:len(chain)]]))
         conf.clear()
-        return merge(self, falcon, probs)
+        return merge(self, step_plan, falcon, probs)
 
-    LookupState.plan, LookupState.merge, FalconProposer._draft = plan_and_note, merge_and_note, draft_and_note
-    LookupState.all_matched = property(lambda self: False)  # the chain at every step
+    hooks.plan_v1_step, LookupState.merge, FalconProposer._draft = plan_and_note, merge_and_note, draft_and_note
+    StepPlan.all_matched = property(lambda self: False)  # the chain at every step
     model = str(model_path())
     tok = AutoTokenizer.from_pretrained(model)
     llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True, max_num_seqs=1, seed=0,
@@ -109,7 +112,7 @@ def record(args) -> dict:
 
 
 def score(runs, store=None) -> dict:
-    from falcon_vllm.vllm.lookup import lookup_drafts
+    from falcon_vllm.core.lookup import lookup_drafts
 
     def look(hist, min_n, k):
         return lookup_drafts(np.array([hist], dtype=np.int32), np.array([len(hist)]), None, np.array([True]),

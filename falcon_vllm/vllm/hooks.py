@@ -13,8 +13,8 @@ touched, and the one helper that installs a wrapper, are in :mod:`falcon_vllm.vl
    stock EAGLE unless the draft config is Falcon's.
 
 5. The no-drafts fast path, chain drafts cut by ``draft_confidence`` and prompt lookup first
-   (``GPUModelRunner.propose_draft_token_ids``: :mod:`falcon_vllm.vllm.lookup`), and tree mode's runner
-   and attention hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.vllm.paged_kv`).
+   (``GPUModelRunner.propose_draft_token_ids``: :mod:`falcon_vllm.core.lookup`), and tree mode's runner
+   and attention hooks (:mod:`falcon_vllm.vllm.tree_verify`, :mod:`falcon_vllm.core.paged_kv`).
 6. Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``): ``init_speculator`` builds the chain-mode
    :class:`~falcon_vllm.vllm.v2.speculator.FalconSpeculator` for a Falcon drafter
    (:func:`falcon_vllm.vllm.v2.install_runner_hook`); the config hook refuses what V2 does not serve
@@ -45,7 +45,7 @@ def install() -> None:
     from vllm.engine.arg_utils import EngineArgs
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    from falcon_vllm.vllm import paged_kv, prefix_gaps, tree_verify, v2
+    from falcon_vllm.vllm import attention_hook, prefix_gaps, tree_verify, v2
     from falcon_vllm.vllm.proposer import FalconProposer
 
     if DRAFTER_ARCH not in ModelRegistry.get_supported_archs():
@@ -58,7 +58,7 @@ def install() -> None:
     gmr.EagleProposer = FalconProposer  # a subclass: stock EAGLE unless the drafter is Falcon's
     patches.wrap(gmr.GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
     tree_verify.install()
-    paged_kv.install_attention_hook()
+    attention_hook.install()
     prefix_gaps.install()
     v2.install_runner_hook()  # Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1): FalconSpeculator, chain mode
 
@@ -205,6 +205,7 @@ def _propose_draft_token_ids(orig):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafter = falcon_proposer(self)
         if drafter is not None:
+            drafter.step_plan = None
             drafter.proposed = True  # (take_draft_token_ids tells this step from one where vLLM ran no drafter)
         try:
             return propose(self, drafter, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -217,29 +218,32 @@ def _propose_draft_token_ids(orig):
         if drafter is None or K != 0 and drafter.lookup is None and not drafter.draft_confidence:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         B = self.input_batch.num_reqs
-        if K != 0:  # prompt lookup first, the drafter's chain otherwise; chains cut by draft_confidence
-            self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
+        plan = drafter.step_plan = plan_v1_step(drafter.lookup, self, sampled_token_ids, K)
+        if plan.K == 0:  # drafting off: no drafter pass, the rows kept for the next one (lookup mode)
+            drafter.step_plan = None
+            skip_drafter(self, drafter, sampled_token_ids)
             if drafter.lookup is not None:
-                drafter.lookup.plan(self, sampled_token_ids, K)
-                if drafter.lookup.all_withheld:  # lookup drafts only: no request gets the drafter's chain
-                    skip_drafter(self, drafter, sampled_token_ids)
-                    if drafter.lookup.lookup_only:  # past falcon_max_batch: the rows wait, as with drafting off
-                        keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
-                        drafter.lookup_only_steps += 1
-                    else:  # every request's drafter KV has a gap
-                        drafter.gap_steps += 1
-                    return without_seeded(self, drafter.lookup.merge([[] for _ in range(B)])[0])
-            chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-            if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
-                chain = drafter.cut(chain)
-            if drafter.lookup is not None:
-                chain, self._draft_probs = drafter.lookup.merge(chain, self._draft_probs)
-            return without_seeded(self, chain)
-        skip_drafter(self, drafter, sampled_token_ids)
-        if drafter.lookup is not None:
-            keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
-        drafter.skipped_steps += 1
-        return torch.empty(B, 0, dtype=torch.int64, device=self.device)
+                keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
+            drafter.skipped_steps += 1
+            return torch.empty(B, 0, dtype=torch.int64, device=self.device)
+        if plan.all_withheld:  # lookup drafts only: no request gets the drafter's chain
+            drafter.step_plan = None
+            skip_drafter(self, drafter, sampled_token_ids)
+            if plan.lookup_only:  # past falcon_max_batch: the rows wait, as with drafting off
+                keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
+                drafter.lookup_only_steps += 1
+            else:  # every request's drafter KV has a gap
+                drafter.gap_steps += 1
+            return without_seeded(self, drafter.lookup.merge(plan, [[] for _ in range(B)])[0])
+        # the drafter's chain (every request matched by lookup: the proposer defers its pass); cut by
+        # draft_confidence; each request's lookup draft in place of its chain
+        self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
+        chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
+            chain = drafter.cut(chain)
+        if plan.lookup is not None:
+            chain, self._draft_probs = drafter.lookup.merge(plan, chain, self._draft_probs)
+        return without_seeded(self, chain)
 
     def without_seeded(self, drafts: list[list[int]]) -> list[list[int]]:
         """No drafts for seeded sampled requests: whether one gets a lookup draft, a chain or nothing, and how long,
@@ -262,3 +266,25 @@ def _propose_draft_token_ids(orig):
             self._copy_valid_sampled_token_count(next_ids, counts)
 
     return propose_draft_token_ids
+
+
+def plan_v1_step(lookup, runner, sampled_token_ids, K: int):
+    """The V1 runner's step planned by the drafting core (:func:`falcon_vllm.core.plan.plan_step`), each request's
+    prompt-lookup draft read from the runner's input batch (``lookup``: the proposer's ``LookupState``, or None)."""
+    import torch
+
+    from falcon_vllm.core.plan import plan_step
+
+    batch = runner.input_batch
+    B = batch.num_reqs
+    req_ids = list(batch.req_ids[:B])
+    if K == 0 or lookup is None:
+        return plan_step(K, req_ids, lookup)
+    discard = runner.discard_request_mask.np[:B]  # partial prefills: their sampled token is dropped
+    # vLLM drafts for EAGLE before its bookkeeping, from the sampler's tensor (placeholders < 0); with
+    # disable_padded_drafter_batch it drafts after it, from lists already appended to token_ids_cpu
+    sampled = sampled_token_ids.cpu().numpy()[:B] if torch.is_tensor(sampled_token_ids) else None
+    drafts = lookup.draft(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:B], sampled, ~discard, K,
+                          runner.max_model_len)
+    lookup.prune(getattr(runner, "requests", req_ids))  # the gaps of finished requests
+    return plan_step(K, req_ids, lookup, drafts)

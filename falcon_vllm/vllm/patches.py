@@ -12,7 +12,7 @@ A vLLM upgrade breaks a plugin where it touches internals.  This module is the o
 
 :func:`check_classes` runs when the plugin is registered, :func:`check_instances` at engine
 start-up (the proposer's ``initialize_attn_backend``: the KV cache and the attention backends exist,
-no request has arrived): in tree mode it also runs :func:`falcon_vllm.vllm.paged_kv.probe_layout`,
+no request has arrived): in tree mode it also runs :func:`falcon_vllm.vllm.attention_hook.probe_layout`,
 which writes a probe through each attention backend's own KV-cache writer and reads it back with
 tree mode's layout reader, so a changed byte layout fails there, before serving, instead of
 returning wrong tokens.  Either raises :class:`VllmVersionError` naming
@@ -308,7 +308,7 @@ def check_v2(speculator) -> None:
 def check_instances(runner, vllm_config, probe=None) -> None:
     """At engine start-up: the runner's attributes and every attention impl's attributes.
 
-    ``probe(name, layer, impl) -> bool`` (tree mode: :func:`falcon_vllm.vllm.paged_kv.probe_layout`) checks
+    ``probe(name, layer, impl) -> bool`` (tree mode: :func:`falcon_vllm.vllm.attention_hook.probe_layout`) checks
     each attention backend's KV-cache byte layout as tree mode reads it, once per kind of impl: it returns
     whether it probed (False: the layer holds no KV cache, so the next layer of that kind is tried)."""
     missing = [] if runner is None else [a for a in RUNNER_ATTRS if not hasattr(runner, a)]

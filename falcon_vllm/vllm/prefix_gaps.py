@@ -2,7 +2,7 @@
 
 The drafter's K/V lives in the same KV-cache blocks as the target's, and the prefix cache shares full blocks between
 requests.  When a step's verified rows reach no drafter pass (drafting off past ``gap_rows``, deferred rows dropped,
-a step where vLLM ran no drafter, a request that is gapped: :mod:`falcon_vllm.vllm.lookup`), the blocks holding those
+a step where vLLM ran no drafter, a request that is gapped: :mod:`falcon_vllm.core.lookup`), the blocks holding those
 positions have target K/V but no drafter K/V.  A later request with the same prefix would hit them and draft over
 K/V that was never written.  So the runner records those blocks here (:func:`mark`) and, before each scheduling
 step, the scheduler evicts them from the prefix cache (``KVCacheManager.evict_blocks``: running requests keep

@@ -1,4 +1,4 @@
-"""FalconProposer: the V1 runner's adapter of the Falcon drafting core (:mod:`falcon_vllm.vllm.drafting`).
+"""FalconProposer: the V1 runner's adapter of the Falcon drafting core (:mod:`falcon_vllm.core.drafting`).
 
 vLLM's V1 runner instantiates ``EagleProposer`` for ``method == "eagle"``; the plugin replaces that name with
 this subclass, which delegates to stock EAGLE unless the draft config carries a ``falcon`` section.  It turns
@@ -34,13 +34,13 @@ from vllm.platforms import current_platform
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm import paged_kv, patches, prefix_gaps, tree_verify
-from falcon_vllm.vllm.drafting import FalconDrafting
+from falcon_vllm.vllm import attention_hook, patches, prefix_gaps, tree_verify
+from falcon_vllm.core.drafting import FalconDrafting
 from falcon_vllm.vllm.live import falcon_proposer, falcon_section, proposer_class
 from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.options import check_async_scheduling, check_cudagraph_mode
-from falcon_vllm.vllm.paged_kv import tree_attention_scope
-from falcon_vllm.vllm.tree_draft import TreeState
+from falcon_vllm.core.paged_kv import tree_attention_scope
+from falcon_vllm.core.tree_draft import TreeState
 
 __all__ = ["FalconProposer", "falcon_proposer", "falcon_section", "unwrap_model"]
 logger = init_logger(__name__)
@@ -91,7 +91,7 @@ class FalconProposer(EagleProposer, FalconDrafting):
         super().initialize_attn_backend(kv_cache_config, *args, **kwargs)
         if self.falcon:  # start-up: the KV cache and every attention backend exist, no request yet
             patches.check_instances(self._runner, self.vllm_config,
-                                    probe=paged_kv.probe_layout if self.tree is not None else None)
+                                    probe=attention_hook.probe_layout if self.tree is not None else None)
         if self.tree is not None:
             tree_verify.check_startup(self.vllm_config, kv_cache_config, self._draft_attn_layer_names)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from falcon_vllm.vllm.paged_kv import copy_kv_slots, kv_layout, paged_kv
-from falcon_vllm.vllm.tree_draft import TreeState
+from falcon_vllm.core.paged_kv import copy_kv_slots, kv_layout, paged_kv
+from falcon_vllm.core.tree_draft import TreeState
 
 
 def _target_kv_caches(runner) -> list[tuple[torch.Tensor, str]]:

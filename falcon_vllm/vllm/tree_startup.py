@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from falcon_vllm.vllm.paged_kv import kv_layout
+from falcon_vllm.core.paged_kv import kv_layout
 
 
 def _unsupported(name: str, layer) -> str | None:

@@ -1,7 +1,7 @@
 """Tree mode, the target's side: the decoding tree verified in one target pass of vLLM's V1 runner.
 
-A step of tree mode (the drafter's side is in :mod:`falcon_vllm.vllm.tree_draft` and
-:mod:`falcon_vllm.vllm.proposer`; the state is the proposer's :class:`~falcon_vllm.vllm.tree_draft.TreeState`):
+A step of tree mode (the drafter's side is in :mod:`falcon_vllm.core.tree_draft` and
+:mod:`falcon_vllm.vllm.proposer`; the state is the proposer's :class:`~falcon_vllm.core.tree_draft.TreeState`):
 
 1. **Schedule.** The Falcon proposer drafted the tree's N node tokens per request; vLLM schedules
    them as the request's N speculative tokens, so the target runs ``[root] + nodes`` (1 + N
@@ -42,11 +42,11 @@ from falcon_vllm.kernels.tree_attention import tree_attention_ref, unpack_tree_b
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.verify import greedy_verify_argmax, probs_from_logits, sample_tokens, sample_verify
 from falcon_vllm.vllm import patches
-from falcon_vllm.vllm.drafting import SAMPLING_EPS
+from falcon_vllm.core.drafting import SAMPLING_EPS
 from falcon_vllm.vllm.live import falcon_proposer
-from falcon_vllm.vllm.paged_kv import kv_layout, paged_kv, to_device, tree_attention_scope
+from falcon_vllm.core.paged_kv import kv_layout, paged_kv, to_device, tree_attention_scope
 from falcon_vllm.vllm.tree_compaction import _use_compaction_kernel, compact, compact_kv  # noqa: F401 (tests')
-from falcon_vllm.vllm.tree_draft import TreeState, cuda_tree_kernel
+from falcon_vllm.core.tree_draft import TreeState, cuda_tree_kernel
 from falcon_vllm.vllm.tree_startup import _unsupported, check_startup  # noqa: F401 (tests' and the proposer's)
 
 

@@ -19,7 +19,7 @@ One step, for block size k and K draft tokens (p: a request's last committed pos
     block q        positions p+1+k(q-1) .. p+kq, inputs: block q-1's drafts and outputs  -> drafts kq+1 .. kq+k
 
 so ``ceil(K / k)`` drafter passes give K drafts.  The algorithm is the drafting core's
-(:class:`falcon_vllm.vllm.drafting.FalconDrafting`: the relaxed block's inputs and the stash, the block
+(:class:`falcon_vllm.core.drafting.FalconDrafting`: the relaxed block's inputs and the stash, the block
 layouts, the chain loop); this adapter runs the passes it lays out on V2's buffers, block tables and attention
 metadata.  Draws go through ``DraftModelSpeculator.sample_draft``: the argmax, or with ``draft_sample_method``
 "probabilistic" a Gumbel draw keyed by the request's seed and position whose logits land in ``draft_logits``
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -53,14 +53,15 @@ from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import TargetDependentARSpeculator
 from vllm.v1.worker.utils import AttentionGroup
 
+from falcon_vllm.core.drafting import BlockInputs, FalconDrafting
+from falcon_vllm.core.paged_kv import tree_attention_scope
+from falcon_vllm.core.plan import StepPlan, plan_step
+from falcon_vllm.core.tree_draft import TreeState
+from falcon_vllm.tree import DecodingTree
 from falcon_vllm.vllm import patches
-from falcon_vllm.vllm.drafting import BlockInputs, FalconDrafting
 from falcon_vllm.vllm.live import falcon_section
 from falcon_vllm.vllm.model import wrap_gemms
 from falcon_vllm.vllm.options import check_async_scheduling, check_cudagraph_mode
-from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm.paged_kv import tree_attention_scope
-from falcon_vllm.vllm.tree_draft import TreeState
 from falcon_vllm.vllm.tree_startup import check_startup
 from falcon_vllm.vllm.v2 import ragged
 from falcon_vllm.vllm.v2.tree import tree_model_state
@@ -82,14 +83,6 @@ class _Step:
     input_batch: InputBatch
     dummy_run: bool  # its requests are not real: no stash, no K/V writes (their block tables are stale)
     skip_attn: bool  # a dummy run without attention metadata
-
-
-class StepPlan(NamedTuple):
-    """What one step drafts, decided before any drafter pass."""
-
-    K: int                          # the step's draft budget (0: drafting off)
-    lookup: list[list[int]] | None  # each request's prompt-lookup draft ([]: none), or None without lookup
-    chain: int                      # the drafter chain's length (0: no drafter chain this step)
 
 
 MASKED_LOGIT = -1e9  # a draft-logits entry with no probability (finite, so that no difference of two is NaN)
@@ -227,39 +220,33 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
         step = _Step(input_batch, dummy_run, skip_attn=dummy_run and skip_attn_for_dummy_run)
         last = self.last_token_indices[:B]
         self.step_lengths = None
-        plan = self.plan_step(step, K, num_sampled, B)
+        plan = self._plan(step, K, num_sampled, B)
         if plan.chain == 0:  # no drafter chain this step: the relaxed block's rows still go to the stash
             self._relaxed_block_inputs(step, last.long(), B)
             self.skipped_steps += K == 0
             return self._finish(step, plan, None, B)
         max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:B].max())
         self.draft_max_seq_len = min(max_seq_len + plan.chain, self.max_model_len)
+        self.step_plan = plan
         chain = self.draft_step(step, plan.chain, input_batch.num_tokens, last, B, _Draws(plan.chain))
         return self._finish(step, plan, chain, B)
 
-    def plan_step(self, step: _Step, K: int, num_sampled: torch.Tensor, B: int) -> StepPlan:
-        """This step's drafts before any drafter pass: its budget ``K``, each request's prompt-lookup draft, and the
-        length of the drafter's chain (0: no drafter chain)."""
-        if (self.tree is not None and not step.dummy_run and K and self.tree_sampler is not None
-                and not self.tree_sampler.servable(step.input_batch)):
-            return StepPlan(K, None, 0)  # a batch the tree sampler cannot verify exactly: no drafts
-        if K == 0 or step.dummy_run or self.lookup is None:
-            return StepPlan(K, None, K)
-        lk = self.lookup
+    def _plan(self, step: _Step, K: int, num_sampled: torch.Tensor, B: int) -> StepPlan:
+        """This step's plan (:func:`falcon_vllm.core.plan.plan_step`), each request's prompt-lookup draft read from
+        the runner's request states."""
+        req_ids = list(step.input_batch.req_ids[:B])
+        servable = (self.tree is None or step.dummy_run or not K or self.tree_sampler is None
+                    or self.tree_sampler.servable(step.input_batch))  # else a batch the tree sampler cannot verify
+        if not servable or K == 0 or step.dummy_run or self.lookup is None:
+            return plan_step(K, req_ids, None, servable=servable)
         idx = step.input_batch.idx_mapping[:B]
         total = self.req_states.total_len.gpu[idx].cpu().numpy()
         tokens = self.req_states.all_token_ids.gpu[idx, :int(total.max())].cpu().numpy()
         decoding = num_sampled[:B].cpu().numpy() > 0  # a partial prefill samples nothing: no draft
-        req_ids = list(step.input_batch.req_ids[:B])
-        drafts = lk.draft(req_ids, tokens, total, None, decoding, K, self.max_model_len)
-        lk.drafts, lk.withheld = drafts, [False] * B
-        lk.lookup_only = lk.falcon_max_batch is not None and B > lk.falcon_max_batch
-        matched = all(drafts)
-        chain = 0 if matched or lk.lookup_only else self.chain_budget(K)
-        if lk.lookup_only:
-            self.lookup_only_steps += 1
-        lk.withheld = [lk.lookup_only] * B
-        return StepPlan(K, drafts, chain)
+        drafts = self.lookup.draft(req_ids, tokens, total, None, decoding, K, self.max_model_len)
+        plan = plan_step(K, req_ids, self.lookup, drafts)
+        self.lookup_only_steps += plan.lookup_only
+        return plan
 
     def _finish(self, step: _Step, plan: StepPlan, chain: torch.Tensor | None, B: int) -> torch.Tensor:
         """The step's drafts into ``draft_tokens`` [B, K], -1 past each request's; its lengths where ragged."""
@@ -274,17 +261,14 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
             lengths = list(self.draft_lengths)
             self.draft_lengths = None
         if plan.lookup is not None:
-            lk = self.lookup
             for i, d in enumerate(plan.lookup):
                 if d:
                     out[i, :len(d)] = torch.tensor(d, dtype=out.dtype, device=out.device)
                     self._point_mass(step, i, d)
                     lengths[i] = len(d)
-                elif lk.withheld[i]:
+                elif plan.withheld[i]:
                     lengths[i] = 0
-            lk.lookup_drafts += sum(1 for d in plan.lookup if d)
-            lk.falcon_drafts += sum(1 for d, w in zip(plan.lookup, lk.withheld) if not d and not w)
-            lk.drafts = lk.withheld = None
+            self.lookup.count(plan)
         for i, n in enumerate(lengths):
             out[i, n:] = -1
         self.step_lengths = dict(zip(step.input_batch.req_ids[:B], lengths))

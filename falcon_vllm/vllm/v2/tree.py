@@ -34,8 +34,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from falcon_vllm.vllm.drafting import SAMPLING_EPS
-from falcon_vllm.vllm.paged_kv import _ACTIVE
+from falcon_vllm.core.drafting import SAMPLING_EPS
+from falcon_vllm.core.paged_kv import _ACTIVE
 from falcon_vllm.vllm.tree_compaction import compact_kv, target_kv_caches
 from falcon_vllm.vllm.tree_verify import plan_tree_rows, verify_requests
 

@@ -15,7 +15,7 @@ import torch
 
 from falcon_vllm.kernels.tree_attention import causal_tree_bits, pack_mask_rows, pack_tree_mask
 from falcon_vllm.tree import DecodingTree
-from falcon_vllm.vllm.paged_kv import dense_attention, kv_layout, paged_kv, to_device
+from falcon_vllm.core.paged_kv import dense_attention, kv_layout, paged_kv, to_device
 
 
 class SubtreeCache:

@@ -1,7 +1,7 @@
 """Prompt lookup first, Falcon otherwise (chain mode, ``prompt_lookup_max`` in the speculative config).
 
-Each step, for each request, vLLM's own n-gram matcher (the function behind ``method: "ngram"``)
-looks for the longest suffix of the request's tokens, between ``prompt_lookup_min`` and
+Each step, for each request, an n-gram matcher (:func:`ngram_draft`, which proposes what vLLM 0.32's
+``method: "ngram"`` proposes) looks for the longest suffix of the request's tokens, between ``prompt_lookup_min`` and
 ``prompt_lookup_max`` tokens long, that occurred earlier in its prompt or output, and proposes up to
 ``num_speculative_tokens`` tokens that followed it.  A request with a match gets those drafts; a request
 without one gets the Falcon drafter's chain of ``falcon_tokens`` tokens.  The two are complementary:
@@ -28,7 +28,7 @@ at most ``gap_rows`` per request: ``FalconProposer.keep_gap_rows``), and when th
 resumes, the first drafter pass runs them before its own rows: the request's drafter K/V is whole, and it drafts as
 if drafting had never stopped.  A request whose rows could not be kept (past ``gap_rows``, or where no fused pass
 runs) has a gap in the drafter's KV cache: it gets lookup drafts only, never the drafter's chain, which would
-attend over the gap, and a step where every request has one runs no drafter pass (``LookupState.gapped``)
+attend over the gap, and a step where every request has one runs no drafter pass (``LookupState.gapped``, :mod:`~falcon_vllm.core.plan`)
 (what the gap cost before the rows were kept: ``docs/findings.md``).  A step of more than ``falcon_max_batch`` requests is served the same
 way with lookup drafts on: each request gets its lookup draft or nothing, no drafter pass runs, and the rows are kept.
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from falcon_vllm.core.plan import StepPlan
 from falcon_vllm.datastore import Datastore
 
 
@@ -106,7 +107,8 @@ def warm_up() -> None:
 
 
 class LookupState:
-    """What one runner step's lookup decided (set by the runner hook, read by the proposer)."""
+    """Prompt lookup's state across steps: the settings, the gapped requests, the adaptive lengths, the counters
+    (each step's decision is a :class:`~falcon_vllm.core.plan.StepPlan`)."""
 
     def __init__(self, min_n: int, max_n: int, falcon_tokens: int, lookup_tokens: int | None = None,
                  store: Datastore | None = None, store_tokens: int | None = None, store_max_batch: int | None = None,
@@ -117,31 +119,13 @@ class LookupState:
         self.store_max_batch = store_max_batch  # the store is looked up in steps of at most this many requests
         self.lookup_tokens = lookup_tokens  # None: every lookup draft up to the step's budget
         self.falcon_max_batch = falcon_max_batch  # the drafter's chain only in steps of at most this many requests
-        self.lookup_only = False  # this step is larger: lookup drafts alone (set by plan)
-        self.drafts: list[list[int]] | None = None  # this step's lookup drafts, one list per request
         self.lookup_drafts = 0   # requests x steps served by a lookup draft
         self.falcon_drafts = 0   # requests x steps served by the drafter
         self.gapped: set[str] = set()  # running requests whose drafter K/V has a gap: no drafter chain
         self.gap_from: dict[str, int] = {}  # a gapped request's first position whose rows may reach no drafter pass
-        self.withheld: list[bool] | None = None  # this step's requests without a drafter chain (set by plan)
         # adaptive lengths: request id -> (history length at its last step, that step's lookup draft length,
         # the lookup length it was given); requests absent from a step are forgotten
         self._runs: dict[str, tuple[int, int, int]] = {}
-
-    def plan(self, runner, sampled_token_ids, k: int) -> None:
-        """Look up every decoding request of the step (``k``: the step's draft budget)."""
-        batch = runner.input_batch
-        B = batch.num_reqs
-        discard = runner.discard_request_mask.np[:B]  # partial prefills: their sampled token is dropped
-        # vLLM drafts for EAGLE before its bookkeeping, from the sampler's tensor (placeholders < 0); with
-        # disable_padded_drafter_batch it drafts after it, from lists already appended to token_ids_cpu
-        sampled = sampled_token_ids.cpu().numpy()[:B] if torch.is_tensor(sampled_token_ids) else None
-        req_ids = list(batch.req_ids[:B])
-        self.drafts = self.draft(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:B], sampled,
-                                 ~discard, k, runner.max_model_len)
-        self.prune(getattr(runner, "requests", req_ids))
-        self.lookup_only = self.falcon_max_batch is not None and B > self.falcon_max_batch
-        self.withheld = [self.lookup_only or r in self.gapped for r in req_ids]
 
     def skipped(self, req_ids, alive=None) -> None:
         """A step ran with drafting off and kept none of these requests' rows: their drafter KV now has a gap.
@@ -164,12 +148,6 @@ class LookupState:
         self.gapped.intersection_update(alive)
         for r in set(self.gap_from).difference(self.gapped):
             del self.gap_from[r]
-
-    @property
-    def all_withheld(self) -> bool:
-        """Every request of the planned step has a gap, or the step is past ``falcon_max_batch``: the drafter's chain
-        serves none of them."""
-        return self.withheld is not None and len(self.withheld) > 0 and all(self.withheld)
 
     def draft(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray | None,
               use: np.ndarray, k: int, max_model_len: int) -> list[list[int]]:
@@ -198,21 +176,24 @@ class LookupState:
             out.append(max(1, min(L, k)))
         return out
 
-    def merge(self, falcon: torch.Tensor | list[list[int]],
+    def count(self, plan: StepPlan) -> None:
+        """Count a planned step's requests served by a lookup draft and by the drafter's chain."""
+        self.lookup_drafts += sum(1 for d in plan.lookup if d)
+        self.falcon_drafts += sum(1 for d, w in zip(plan.lookup, plan.withheld) if not d and not w)
+
+    def merge(self, plan: StepPlan, falcon: torch.Tensor | list[list[int]],
               probs: torch.Tensor | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
-        """The step's drafts: each request's lookup draft, or the drafter's chain (``falcon`` [B, <=K], or per-request
-        lists: chains cut by ``draft_confidence``).
+        """The step's drafts: each request's lookup draft (``plan.lookup``), or the drafter's chain (``falcon``
+        [B, <=K], or per-request lists: chains cut by ``draft_confidence``), nothing for a withheld request.
 
         Returns (drafts, probs).  ``probs``: the chain's draft distributions [B, <=K, V] (draft_sample_method
         "probabilistic"), returned merged, [B, longest draft, V], a lookup draft's rows one-hot at its tokens (a
         point-mass proposal, as vLLM verifies drafts that come without probabilities); None stays None."""
         rows = falcon if isinstance(falcon, list) else falcon.tolist()
-        drafts, withheld = self.drafts, self.withheld or [False] * len(self.drafts)
+        drafts, withheld = plan.lookup, plan.withheld
         out = [d if d else [] if withheld[i] else rows[i] for i, d in enumerate(drafts)]
         n = sum(1 for d in drafts if d)
-        self.lookup_drafts += n
-        self.falcon_drafts += sum(1 for d, w in zip(drafts, withheld) if not d and not w)
-        self.drafts = self.withheld = None
+        self.count(plan)
         if probs is not None and n:
             width = max(len(d) for d in out)  # may be below the chain's K: every draft shorter (a gap, short lookups)
             merged = probs.new_zeros(probs.shape[0], width, probs.shape[2])
@@ -224,8 +205,3 @@ class LookupState:
                     merged[i, torch.arange(len(d), device=probs.device), torch.tensor(d, device=probs.device)] = 1.0
             probs = merged
         return out, probs
-
-    @property
-    def all_matched(self) -> bool:
-        return self.drafts is not None and len(self.drafts) > 0 and all(self.drafts)
-

@@ -1,11 +1,11 @@
-"""What tree mode's target side and drafter side share: paged KV-cache layouts, dense attention, and the one
-attention hook both compute through.
+"""What tree mode's target side and drafter side share: paged KV-cache layouts, dense attention, and the scope of
+the one attention hook both compute through.
 
 Tree mode computes attention itself in two places: the target's tree rows
 (:class:`falcon_vllm.vllm.tree_verify.VerifyTreeAttention`) and the drafter's SAR tree passes
-(:class:`falcon_vllm.vllm.tree_draft.DraftTreeAttention`).  Both read vLLM's paged KV caches
+(:class:`falcon_vllm.core.tree_draft.DraftTreeAttention`).  Both read vLLM's paged KV caches
 (:func:`paged_kv`) and run inside the stock attention layers, whose backend ``forward`` is wrapped
-once (:func:`install_attention_hook`).  The wrapper serves whatever attention object is active:
+once (:func:`falcon_vllm.vllm.attention_hook.install`).  The wrapper serves whatever attention object is active:
 :func:`tree_attention_scope` makes one active for the duration of one forward pass (the target's
 forward of a tree step, a drafter tree pass), as vLLM's own ``set_forward_context`` does for the
 attention metadata; outside a scope every layer runs vLLM's kernel untouched.
@@ -18,7 +18,6 @@ import contextvars
 
 import torch
 
-from falcon_vllm.vllm import patches
 
 # ---------------------------------------------------------------------------- host -> device
 def to_device(tensors, device) -> list[torch.Tensor]:
@@ -112,68 +111,3 @@ def tree_attention_scope(attention):
         yield attention
     finally:
         _ACTIVE.reset(token)
-
-
-def _make_forward(orig):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
-        attention = _ACTIVE.get()
-        if attention is None or not attention.wants(attn_metadata):
-            return orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if attention.alone:  # the tree path serves every row of this layer: the stock kernel is skipped
-            attention.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
-            return output
-        result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        attention.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
-        return result
-
-    return forward
-
-
-def install_attention_hook() -> None:
-    """Wrap the ``forward`` of CPU_ATTN's and (where importable) FLASH_ATTN's impl (idempotent)."""
-    for p in patches.PATCHES:
-        if p.name == "forward":
-            try:
-                cls = patches.resolve(p.owner)
-            except (ImportError, AttributeError):  # FLASH_ATTN on a CPU build
-                continue
-            patches.wrap(cls, "forward", _make_forward)
-
-
-# ---------------------------------------------------------------------------- start-up layout probe
-def _kv_tensor(layer):
-    kv = layer.kv_cache
-    if isinstance(kv, (list, tuple)):
-        kv = kv[0] if kv else None
-    return kv if isinstance(kv, torch.Tensor) and kv.numel() else None
-
-
-def probe_layout(name, layer, impl) -> bool:
-    """Write known K/V through the backend's own ``do_kv_cache_update`` into a 2-block scratch cache
-    with the layer's shape and strides, read them back with :func:`paged_kv` (a mismatch fails with
-    :func:`patches.fail`).  False: the layer holds no KV cache (nothing probed)."""
-    kv = _kv_tensor(layer)
-    if kv is None:
-        return False
-    _, hkv, bs, d2 = kv.shape
-    order = sorted(range(4), key=lambda i: -kv.stride(i))          # the layer's stride order, outermost first
-    shape = (2, hkv, bs, d2)
-    scratch = torch.zeros([shape[i] for i in order], dtype=kv.dtype, device=kv.device)
-    scratch = scratch.permute([order.index(i) for i in range(4)])  # logical [2, Hkv, bs, 2D], same strides
-    n = 2 * bs
-    g = torch.Generator(device="cpu").manual_seed(0)
-    key, value = (torch.randn(n, hkv, d2 // 2, generator=g).to(kv.device, kv.dtype) for _ in range(2))
-    slots = torch.arange(n, device=kv.device).flip(0)               # token t -> slot n-1-t
-    if not callable(getattr(impl, "do_kv_cache_update", None)):
-        patches.fail(f"{type(impl).__name__} has no do_kv_cache_update (the KV-cache writer tree mode checks its "
-                     "layout with)")
-    impl.do_kv_cache_update(layer, key, value, scratch, slots)
-    try:
-        kc, vc = paged_kv(scratch, kv_layout(impl, layer))
-    except NotImplementedError:
-        return True  # a backend tree mode does not serve: refused by tree mode's own start-up check
-    s = slots.long()
-    if not (torch.equal(kc[s // bs, s % bs], key) and torch.equal(vc[s // bs, s % bs], value)):
-        patches.fail(f"{type(impl).__name__} (layer {name}) stores its KV cache in a byte layout tree mode does not "
-                     "read")
-    return True

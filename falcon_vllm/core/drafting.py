@@ -13,8 +13,9 @@ What the adapter holds (attributes the core reads and writes):
   position (vLLM's padded drafter batch may leave rejected rows after it).
 * ``device``, ``block_size``, ``max_model_len``.
 
-What it calls: ``init_drafting(falcon)`` and ``init_stash(...)`` once, ``chain_budget(K)`` and then
-``draft_step(ctx, K, N, last, B, sampling, want_probs) -> tokens [B, <=K]`` per step; ``cut(chain)`` gives
+What it calls: ``init_drafting(falcon)`` and ``init_stash(...)`` once; per step it plans
+(:func:`falcon_vllm.core.plan.plan_step`, kept in ``step_plan``), then ``chain_budget(K)`` and
+``draft_step(ctx, K, N, last, B, sampling, want_probs) -> tokens [B, <=K]``; ``cut(chain)`` gives
 each request's ``draft_confidence`` length; ``keep_rows`` keeps a step's rows while drafting is off.  The
 stash's ``dropped`` slots name the requests whose rows were lost (the adapter marks them gapped).
 ``draft_probs`` holds a sampled chain's distributions [B, K, V] for the rejection sampler.
@@ -48,10 +49,10 @@ import torch
 
 from falcon_vllm.datastore import Datastore
 from falcon_vllm.serving import Serving
-from falcon_vllm.vllm import lookup
-from falcon_vllm.vllm.lookup import LookupState
-from falcon_vllm.vllm.stash import BlockInputStash
-from falcon_vllm.vllm.tree_draft import DraftTreeAttention
+from falcon_vllm.core import lookup, plan
+from falcon_vllm.core.lookup import LookupState
+from falcon_vllm.core.stash import BlockInputStash
+from falcon_vllm.core.tree_draft import DraftTreeAttention
 
 logger = logging.getLogger(__name__)
 PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
@@ -113,9 +114,10 @@ class FalconDrafting:
         self.gap_steps = 0  # steps whose every request has a drafter-KV gap: lookup drafts only, no drafter pass
         self.lookup_only_steps = 0  # steps past falcon_max_batch: lookup drafts only, the rows kept, no drafter pass
         self.deferred_steps = 0  # steps whose drafter pass was deferred
+        self.step_plan = None   # this step's plan (core.plan.StepPlan), set by the runner before draft_step
         self.tree = None        # tree mode's DecodingTree (None: chain mode)
         self.tree_state = None  # tree mode's state (tree_draft.TreeState)
-        self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.vllm.lookup)
+        self.lookup: LookupState | None = None  # prompt lookup first (chain mode; falcon_vllm.core.lookup)
         # sampled drafts (draft_sample_method "probabilistic"): the drafter's temperature over the request's
         self.draft_temperature_scale = falcon.draft_temperature_scale if falcon else 1.0
         # draft_confidence: a chain draft stops where the drafter's probability of it so far falls below this
@@ -159,7 +161,7 @@ class FalconDrafting:
     # ------------------------------------------------------------------ one step
     def chain_budget(self, K: int) -> int:
         """The drafter's tokens this step of K speculative tokens (prompt lookup caps the drafter's chain)."""
-        return min(K, self.lookup.falcon_tokens) if self.lookup is not None else K
+        return plan.chain_budget(K, self.lookup)
 
     def draft_step(self, ctx, K: int, num_tokens: int, last: torch.Tensor, B: int, sampling=None,
                    want_probs: bool = False) -> torch.Tensor:
@@ -170,7 +172,8 @@ class FalconDrafting:
         last = last.long()
         self.draft_lengths = self.draft_probs = None
         ids, feats, positions, known = self._relaxed_block_inputs(ctx, last, B)
-        drafting = self.lookup is None or not self.lookup.all_matched  # else every request has a lookup draft
+        step_plan, self.step_plan = self.step_plan, None  # the runner's plan of this step (None: draft)
+        drafting = step_plan is None or not step_plan.all_matched  # else every request has a lookup draft
         fused = self._fuses(num_tokens, B)
         if fused and not drafting and self.defer_chunk and self._defer(ctx, last, B):
             self.deferred_steps += 1  # prompt lookup serves every request: the next drafter pass writes these rows
