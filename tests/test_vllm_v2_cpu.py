@@ -299,8 +299,11 @@ def test_tree_on_v2_matches_vanilla_and_v1_step_by_step(ctx_ckpts):
 def test_tree_on_v2_serves_the_shipped_drafter_with_falcon_llama():
     """The shipped SmolLM2 drafter with the paper's 118-node falcon-llama tree on V2: greedy tokens identical to
     vanilla V1's (and to V1's tree mode), every step drafts the whole tree and some are accepted.  (In this fixture,
-    max_model_len 256, V1's tree mode drafts only every other step, so the two do not draft step for step here; the
-    context-target test above compares them where both draft every step.)"""
+    max_model_len 256, V1's tree mode drafts only every other step once a request passes 256 - 2 x 118 tokens: V1's
+    runner runs the drafter only where the step's longest sequence, the 118 scheduled nodes included, plus
+    num_speculative_tokens fits max_model_len (``_input_fits_in_drafter``), so a tree step is followed by one without
+    drafts.  The two runners do not draft step for step here; the context-target test above compares them where both
+    draft every step.)"""
     from falcon_vllm.models import model_path
 
     job = {"model": str(model_path()), "prompts": SHIPPED_PROMPTS[:2], "max_tokens": [20, 12]}
