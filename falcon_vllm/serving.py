@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Lookup:
-    """Prompt lookup first, the drafter's chain otherwise (:mod:`falcon_vllm.vllm.lookup`)."""
+    """Prompt lookup first, the drafter's chain otherwise (:mod:`falcon_vllm.core.lookup`)."""
 
     prompt_lookup_min: int
     prompt_lookup_max: int
