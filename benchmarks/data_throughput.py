@@ -14,7 +14,7 @@ no stage inherits another's binding), on the same ShareGPT first turns:
 
 Engine start-up is not counted (it is once per run).  Featurized tokens are prompt + answer tokens.
 
-  python benchmarks/data_throughput.py --target <qwen2.5-coder-1.5b-instruct dir> --num-conversations 32 \\
+  python benchmarks/data_throughput.py --target qwen2.5-coder-1.5b-instruct --num-conversations 32 \\
       --stages today-answer,today-featurize,combined,prefill,combined,today-featurize,today-answer \\
       --name data_throughput_qwen15
 """
@@ -171,7 +171,8 @@ def report(args, rows: dict, argv, runs: list[dict]) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True,
+                   help="an offline model's name (qwen2.5-coder-1.5b-instruct: `make models-qwen`) or a target directory")
     p.add_argument("--num-conversations", type=int, default=32)
     p.add_argument("--skip-conversations", type=int, default=1296,
                    help="ShareGPT first turns to skip (default: past those the shipped Qwen answers hold)")
@@ -182,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from falcon_vllm.models import model_path
+
+    args.target = str(model_path(args.target))  # a directory stays as given
     if args.stage:
         res = stage(args)
         with open(os.path.join(args.work, args.stage + ".json"), "w") as f:
