@@ -53,3 +53,22 @@ def test_merge_follows_the_plan():
     drafts, _ = lk.merge(plan, [[1, 2], [3, 4], [5, 6]])
     assert drafts == [[7, 8], [3, 4], []]
     assert (lk.lookup_drafts, lk.falcon_drafts) == (1, 1)
+
+
+def _protocol_methods(proto) -> set[str]:
+    return {n for c in proto.__mro__ if c.__module__ == "falcon_vllm.core.adapter"
+            for n, v in vars(c).items() if callable(v) and not n.startswith("__")}
+
+
+def test_both_runners_adapters_define_the_whole_contract():
+    """The V1 proposer defines every method of the fusing adapter's contract, the V2 speculator every method of the
+    plain one (it never fuses: ``fuse_chunk`` stays off there), each in its own class, not inherited from the core."""
+    from falcon_vllm.core.adapter import FusingAdapter, RunnerAdapter
+    from falcon_vllm.core.drafting import FalconDrafting
+    from falcon_vllm.vllm.proposer import FalconProposer
+    from falcon_vllm.vllm.v2.speculator import FalconSpeculator
+
+    need_v1, need_v2 = _protocol_methods(FusingAdapter), _protocol_methods(RunnerAdapter)
+    assert {"_block_pass", "_draft_tree"} <= need_v2 < need_v1 and "_fused_pass" in need_v1
+    assert need_v1 <= set(vars(FalconProposer)) and need_v2 <= set(vars(FalconSpeculator))
+    assert not need_v1 & set(vars(FalconDrafting))  # the core leaves every pass to its adapter

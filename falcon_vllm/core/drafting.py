@@ -20,7 +20,8 @@ each request's ``draft_confidence`` length; ``keep_rows`` keeps a step's rows wh
 stash's ``dropped`` slots name the requests whose rows were lost (the adapter marks them gapped).
 ``draft_probs`` holds a sampled chain's distributions [B, K, V] for the rejection sampler.
 
-What it provides, the drafter's passes (``ctx`` is the adapter's own per-step object, passed back unread):
+What it provides, the drafter's passes (:class:`falcon_vllm.core.adapter.RunnerAdapter`; ``ctx`` is the adapter's
+own per-step object, passed back unread):
 
 * ``_relaxed_block_inputs(ctx, last, B) -> BlockInputs``: usually ``block_inputs(query_start, last, req_ids)``.
 * ``_fused_pass(ctx, N, last, ids, feats, positions, known) -> rows [B, k, H]``: one pass laid out by
