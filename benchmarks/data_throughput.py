@@ -120,7 +120,7 @@ def _today(ta, tf, key):
     return ta["tokens"] / (ta[key] + tf[key] * ta["tokens"] / tf["tokens"])
 
 
-def report(args, rows: dict, argv, runs: list[dict]) -> None:
+def report(args, rows: dict, argv, runs: list[dict], load: float) -> None:
     cmd = "python benchmarks/data_throughput.py " + " ".join(shlex.quote(str(portable(a))) for a in argv)
     ta, tf, cb, pf = (rows.get(s) for s in STAGES)
     today = {k: _today(ta, tf, k) for k in ("seconds", "cpu_seconds")} if ta and tf else None
@@ -130,7 +130,8 @@ def report(args, rows: dict, argv, runs: list[dict]) -> None:
              ("featurize stored answers (prefill through vLLM)", pf, "feat")]
     cores = len(os.sched_getaffinity(0))
     lines = [f"# Drafter data throughput: {args.name}", "", f"Command: `{cmd}`", "",
-             f"Machine: {cpu_name()} ({cores} cores to this run); shared with other work while it ran.  Target "
+             f"Machine: {cpu_name()} ({cores} cores to this run; 1-minute load average {load:.1f} before the first "
+             "stage).  Target "
              f"{os.path.basename(os.path.normpath(args.target))}; {args.num_conversations} ShareGPT first turns "
              f"(after the first {args.skip_conversations}), greedy, up to {args.max_new_tokens} answer tokens; "
              "each stage in its own process, one after the other, in this order: " + ", ".join(r["stage"] for r in runs)
@@ -192,6 +193,7 @@ def main(argv=None) -> int:
             json.dump(res, f)
         return 0
     runs = []
+    load = os.getloadavg()[0]  # other work on the machine slows every stage (the results page says how much ran)
     with tempfile.TemporaryDirectory() as work:
         for s in args.stages.split(","):
             print(f"== {s}", flush=True)
@@ -200,7 +202,7 @@ def main(argv=None) -> int:
             with open(os.path.join(work, s + ".json")) as f:
                 runs.append({"stage": s, **json.load(f)})
             print(runs[-1], flush=True)
-    report(args, merge(runs), argv, runs)
+    report(args, merge(runs), argv, runs, load)
     return 0
 
 
