@@ -75,6 +75,14 @@ def paged_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
     raise ValueError(f"falcon-vllm: tree mode: unknown KV layout {layout!r}")
 
 
+def layer_kv_cache(layer) -> torch.Tensor | None:
+    """An attention layer's KV-cache tensor (vLLM may hold it in a one-element list), None where it holds none."""
+    kv = layer.kv_cache
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    return kv if isinstance(kv, torch.Tensor) and kv.numel() else None
+
+
 def copy_kv_slots(kv_cache: torch.Tensor, layout: str, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy the K/V of flat slots ``src`` into slots ``dst`` (all heads) of one layer's cache."""
     kc, vc = paged_kv(kv_cache, layout)

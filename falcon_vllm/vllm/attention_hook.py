@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from falcon_vllm.core.paged_kv import _ACTIVE, kv_layout, paged_kv
+from falcon_vllm.core.paged_kv import _ACTIVE, kv_layout, layer_kv_cache, paged_kv
 from falcon_vllm.vllm import patches
 
 
@@ -40,18 +40,11 @@ def install() -> None:
 
 
 # ---------------------------------------------------------------------------- start-up layout probe
-def _kv_tensor(layer):
-    kv = layer.kv_cache
-    if isinstance(kv, (list, tuple)):
-        kv = kv[0] if kv else None
-    return kv if isinstance(kv, torch.Tensor) and kv.numel() else None
-
-
 def probe_layout(name, layer, impl) -> bool:
     """Write known K/V through the backend's own ``do_kv_cache_update`` into a 2-block scratch cache
     with the layer's shape and strides, read them back with :func:`paged_kv` (a mismatch fails with
     :func:`patches.fail`).  False: the layer holds no KV cache (nothing probed)."""
-    kv = _kv_tensor(layer)
+    kv = layer_kv_cache(layer)
     if kv is None:
         return False
     _, hkv, bs, d2 = kv.shape

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from falcon_vllm.core.paged_kv import copy_kv_slots, kv_layout, paged_kv
+from falcon_vllm.core.paged_kv import copy_kv_slots, kv_layout, layer_kv_cache, paged_kv
 from falcon_vllm.core.tree_draft import TreeState
 
 
@@ -27,10 +27,8 @@ def target_kv_caches(vllm_config, draft_layer_names) -> list[tuple[torch.Tensor,
     for name, layer in ctx.items():
         if name in draft or not hasattr(layer, "kv_cache") or not hasattr(layer, "impl"):
             continue
-        kv = layer.kv_cache
-        if isinstance(kv, (list, tuple)):
-            kv = kv[0]
-        if isinstance(kv, torch.Tensor) and kv.numel():
+        kv = layer_kv_cache(layer)
+        if kv is not None:
             out.append((kv, kv_layout(layer.impl, layer)))
     return out
 
