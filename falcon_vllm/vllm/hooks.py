@@ -218,16 +218,14 @@ def _propose_draft_token_ids(orig):
         if drafter is None or K != 0 and drafter.lookup is None and not drafter.draft_confidence:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         B = self.input_batch.num_reqs
-        plan = drafter.step_plan = plan_v1_step(drafter.lookup, self, sampled_token_ids, K)
+        plan = plan_v1_step(drafter.lookup, self, sampled_token_ids, K)
         if plan.K == 0:  # drafting off: no drafter pass, the rows kept for the next one (lookup mode)
-            drafter.step_plan = None
             skip_drafter(self, drafter, sampled_token_ids)
             if drafter.lookup is not None:
                 keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
             drafter.skipped_steps += 1
             return torch.empty(B, 0, dtype=torch.int64, device=self.device)
         if plan.all_withheld:  # lookup drafts only: no request gets the drafter's chain
-            drafter.step_plan = None
             skip_drafter(self, drafter, sampled_token_ids)
             if plan.lookup_only:  # past falcon_max_batch: the rows wait, as with drafting off
                 keep_rows(self, drafter, sampled_token_ids, args, kwargs, B)
@@ -238,6 +236,7 @@ def _propose_draft_token_ids(orig):
         # the drafter's chain (every request matched by lookup: the proposer defers its pass); cut by
         # draft_confidence; each request's lookup draft in place of its chain
         self._draft_probs = None  # set by orig when the chain's drafts were sampled (draft_sample_method)
+        drafter.step_plan = plan  # read by the proposer's draft_step
         chain = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         if drafter.draft_confidence:  # vLLM takes each request's probabilities up to its draft's length
             chain = drafter.cut(chain)
