@@ -22,7 +22,10 @@ own functions (``falcon_vllm.vllm.tree_verify`` / ``tree_draft`` / ``paged_kv``)
 * ``compact-kernel`` / ``compact-copies``: ``compact_kv`` (one ``kv_compaction`` launch / ``copy_kv_slots``);
 * ``sampler-*``: ``tree_sample`` (greedy; top-k 1 in single-request chunks, which must equal greedy;
   temperature + top-p, checked structurally) and the compaction it runs on the caches, input ids,
-  positions and hidden states; ``sampler-128k`` (CUDA only): B=64, a 128k vocabulary, peak memory.
+  positions and hidden states; ``sampler-128k`` (CUDA only): B=64, a 128k vocabulary, peak memory;
+* ``chain-graph``: the chain drafting step of Model Runner V2 (``FalconDrafting.chain_program``) with a stand-in
+  drafter, its batch padded to a captured size; on CUDA captured in one CUDA graph and replayed
+  (``chain_graph.py``).
 
 On CUDA every piece also gets its host syncs counted (``torch.cuda.set_sync_debug_mode("warn")``; the
 target attention, the drafter's kernel path and the compaction kernel must have none) and attributed to the
@@ -63,7 +66,7 @@ LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1
            "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 SENTINEL = 7.0  # output rows a piece must not touch
 PIECES = ("step", "attn-whole", "attn-rows", "draft", "compact-kernel", "compact-copies",
-          "sampler-greedy", "sampler-topk1", "sampler-topp", "sampler-128k")
+          "sampler-greedy", "sampler-topk1", "sampler-topp", "sampler-128k", "chain-graph")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1025,6 +1028,10 @@ def main(argv=None) -> int:
                 for mode in ("greedy", "topp"):
                     check_sampler(ck, st, mode, data, piece=f"sampler-128k-{mode}")
                 del st, data
+            if ck.wants("chain-graph"):
+                import chain_graph
+
+                chain_graph.check(ck, dev, a.quick, cuda_ms)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.set_num_threads(threads)

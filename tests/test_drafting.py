@@ -16,13 +16,13 @@ class FakeDrafter(FalconDrafting):
     """The core with the adapter's part faked: the drafter's output at a row is its input feature, a draft token
     is 1000 + the row's first feature; every pass's layout is recorded."""
 
-    def __init__(self, k: int = 2, rows: int = 32):
-        self.input_ids = torch.zeros(rows, dtype=torch.int64)
-        self.positions = torch.zeros(rows, dtype=torch.int64)
-        self.hidden_states = torch.zeros(rows, H)
-        self.device, self.block_size, self.max_model_len = torch.device("cpu"), BS, 64
+    def __init__(self, k: int = 2, rows: int = 32, device: str = "cpu"):
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.hidden_states = torch.zeros(rows, H, device=device)
+        self.device, self.block_size, self.max_model_len = torch.device(device), BS, 64
         self.init_drafting(Serving(k=k))
-        self.init_stash(4, H, "cpu", torch.float32, torch.int64)
+        self.init_stash(4, H, device, torch.float32, torch.int64)
         self.fuse_chunk = True
         self.layouts = []
 
@@ -34,6 +34,9 @@ class FakeDrafter(FalconDrafting):
                                ctx.seq_lens, ctx.table)
         self.layouts.append(("fused", plan, self.input_ids[:plan.num_rows].clone()))
         return self.block_outputs(self.hidden_states[plan.num_chunk_rows:plan.num_rows].clone(), ids.shape[0])
+
+    def _chunk_pass(self, ctx, num_tokens, positions):
+        return  # (Model Runner V2's chunk pass runs before the core's step)
 
     def _defer(self, ctx, last, B):
         return self.defer_rows_of(ctx.query_start[:B].tolist(), last, ctx.req_ids)
@@ -51,9 +54,9 @@ class FakeDrafter(FalconDrafting):
         return []
 
 
-def _step(prop, chunks, table, K=4):
+def _chunk(prop, chunks, table):
     """Write a chunk (per request: (id, first position, rows)) in EAGLE's shifted layout, row j = (x_{j+1}, f_j)
-    with x_j = 100 * request + j and f_j = j, and draft K tokens."""
+    with x_j = 100 * request + j and f_j = j; returns the step's (ctx, rows N, last rows [B])."""
     ids, pos = [], []
     for r, first, n in chunks:
         pos += list(range(first, first + n))
@@ -64,14 +67,33 @@ def _step(prop, chunks, table, K=4):
     prop.hidden_states[:N] = torch.tensor(pos, dtype=torch.float32)[:, None].expand(N, H)
     counts = torch.tensor([n for _, _, n in chunks])
     query_start = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    last = query_start[1:] - 1
-    positions = prop.positions[:N]
+    positions = torch.tensor(pos)
     slots = prop.kv_slots(table[torch.searchsorted(query_start[1:], torch.arange(N), right=True)],
                           positions[:, None])
     ctx = SimpleNamespace(query_start=query_start, req_ids=[str(r) for r, _, _ in chunks], table=table,
                           slots=slots, seq_lens=torch.tensor([f + n for _, f, n in chunks], dtype=torch.int32))
     prop.layouts.clear()
+    return ctx, N, query_start[1:] - 1
+
+
+def _step(prop, chunks, table, K=4):
+    """Write a chunk (``_chunk``) and draft K tokens."""
+    ctx, N, last = _chunk(prop, chunks, table)
     return prop.draft_step(ctx, K, N, last, len(chunks))
+
+
+def _program(prop, chunks, table, K, pad=0):
+    """Write a chunk (``_chunk``), then the chain's host part and its device program, the batch padded by ``pad``
+    rows (stale block-table rows, no request, pointing at the chunk's first row)."""
+    ctx, N, last = _chunk(prop, chunks, table)
+    B = len(chunks)
+    dev = prop.device
+    ctx.table = torch.cat([table, torch.arange(pad * table.shape[1]).view(pad, table.shape[1])]).to(dev)
+    query_start = torch.cat([ctx.query_start[:B], torch.zeros(pad, dtype=torch.long)]).to(dev)
+    last = torch.cat([last, torch.zeros(pad, dtype=torch.long)]).to(dev)
+    valid = (torch.arange(B + pad) < B).to(dev)
+    slots = prop.step_slots(ctx.req_ids + [None] * pad, dev)
+    return prop.chain_program(ctx, query_start, last, slots, K, valid=valid)
 
 
 def test_a_step_plans_causal_relaxed_and_stashed_rows():
@@ -131,6 +153,51 @@ def test_draft_confidence_stops_the_chain_and_cuts_each_draft():
     chain = _step(prop, [(0, 0, 4), (1, 0, 4)], torch.tensor([[0, 1], [2, 3]]))
     assert prop.cut(chain) == [[1002, 1003], []]  # 0.9 * 0.8 * 0.6 < 0.5: two tokens; 0.4: none
     assert prop.passes == 2                        # request 0's draft still went on after the first block
+
+
+def test_chain_program_is_the_chain_step_and_padded_rows_change_nothing():
+    """Model Runner V2's chain step (``step_slots``, then ``chain_program``) drafts what ``draft_step`` does, pass
+    for pass, over two steps (the second takes the stash's rows); a batch padded with two rows drafts the same for
+    its real rows, and the padded rows write no K/V in any pass."""
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    steps = [[(0, 0, 6), (1, 0, 3)], [(0, 6, 3), (1, 3, 1)]]
+    for k, K in ((2, 4), (3, 5)):
+        a, b, c = FakeDrafter(k=k), FakeDrafter(k=k), FakeDrafter(k=k)
+        a.fuse_chunk = False
+        for chunks in steps:
+            want = _step(a, chunks, table, K)
+            assert torch.equal(_program(b, chunks, table, K), want)
+            padded = _program(c, chunks, table, K, pad=2)
+            assert torch.equal(padded[:2], want)
+            for (_, x, ids_x), (_, y, ids_y), (_, z, ids_z) in zip(a.layouts, b.layouts, c.layouts, strict=True):
+                assert torch.equal(x.slot_mapping, y.slot_mapping) and torch.equal(ids_x, ids_y)
+                assert torch.equal(z.slot_mapping[:2 * k], x.slot_mapping) and torch.equal(ids_z[:2 * k], ids_x)
+                assert bool((z.slot_mapping[2 * k:] == PADDING_SLOT_ID).all())
+            assert len(a.layouts) == -(-K // k)
+
+
+def test_chain_program_reads_nothing_on_the_host():
+    """The chain's device program on the meta device, where a host read (``item``, ``tolist``, a tensor's
+    truth value, ``.cpu()``) or an op whose output shape depends on the data (``nonzero``, masked indexing,
+    ``bincount``) raises: it runs, with ``draft_confidence`` on; the control, its early stop (a host read by
+    design), raises."""
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    for k, K in ((2, 4), (3, 5)):
+        prop = FakeDrafter(k=k, device="meta")
+        prop.draft_confidence = 0.5
+
+        def draft(rows, sampling, probs, conf):
+            conf.append(rows[..., 0].sigmoid())
+            return 1000 + rows[..., 0].long()
+
+        prop._draft = draft
+        for chunks in ([(0, 0, 6), (1, 0, 3)], [(0, 6, 3), (1, 3, 1)]):
+            out = _program(prop, chunks, table, K, pad=1)
+            assert out.device.type == "meta" and out.shape == (3, K) and prop.draft_lengths.shape == (3,)
+        ctx, N, last = _chunk(prop, [(0, 9, 2), (1, 4, 2)], table)
+        slots = prop.step_slots(["0", "1"], "meta")
+        with pytest.raises(RuntimeError, match="meta"):
+            prop.chain_program(ctx, ctx.query_start[:2].to("meta"), last.to("meta"), slots, K, early_stop=True)
 
 
 def test_ngram_draft_is_vllms_ngram_draft():

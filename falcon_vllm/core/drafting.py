@@ -18,7 +18,9 @@ What it calls: ``init_drafting(falcon)`` and ``init_stash(...)`` once; per step 
 ``draft_step(ctx, K, N, last, B, sampling, want_probs) -> tokens [B, <=K]``; ``cut(chain)`` gives
 each request's ``draft_confidence`` length; ``keep_rows`` keeps a step's rows while drafting is off.  The
 stash's ``dropped`` slots name the requests whose rows were lost (the adapter marks them gapped).
-``draft_probs`` holds a sampled chain's distributions [B, K, V] for the rejection sampler.
+``draft_probs`` holds a sampled chain's distributions [B, K, V] for the rejection sampler.  A chain step whose
+chunk pass has run (Model Runner V2's) splits in two: ``step_slots(req_ids)`` on the host, then
+``chain_program(ctx, query_start, last, slots, K)``, which reads nothing on the host and has static shapes.
 
 What it provides, the drafter's passes (:class:`falcon_vllm.core.adapter.RunnerAdapter`; ``ctx`` is the adapter's
 own per-step object, passed back unread):
@@ -124,7 +126,7 @@ class FalconDrafting:
         # draft_confidence: a chain draft stops where the drafter's probability of it so far falls below this
         self.draft_confidence = falcon.draft_confidence if falcon else 0.0
         self.proposed = False  # the runner asked for this step's drafts (set by the runner hook)
-        self.draft_lengths: list[int] | None = None  # this step's chain lengths under draft_confidence
+        self.draft_lengths: torch.Tensor | None = None  # [B] this step's chain lengths under draft_confidence
         self.last_confidence: torch.Tensor | None = None  # [B, K]: the drafter's probability of each chain token
         self.draft_probs: torch.Tensor | None = None  # [B, K, V]: a sampled chain's distributions (else None)
         # chunk pass + relaxed block in one drafter pass (set by the adapter where its attention takes per-request
@@ -196,10 +198,28 @@ class FalconDrafting:
             return self._draft_tree(ctx, rows, positions, K)
         return self._draft_chain(ctx, rows, positions, K, sampling, want_probs)
 
-    def _draft_chain(self, ctx, rows, positions, K: int, sampling, want_probs: bool) -> torch.Tensor:
+    def chain_program(self, ctx, query_start: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, K: int,
+                      valid: torch.Tensor | None = None, sampling=None, want_probs: bool = False,
+                      early_stop: bool = False) -> torch.Tensor:
+        """The device part of a chain step whose chunk pass has run: the relaxed block's inputs gathered from the
+        chunk rows and the stash (``slots`` [B] from ``step_slots``), its pass, then the chain's passes and draws
+        -> tokens [B, K].  It reads nothing on the host and every shape follows from B, k and K: what a CUDA graph
+        captures (``tests/test_drafting.py`` runs it on the meta device, where any host read fails).  ``valid``
+        [B] bool: the real rows of a batch padded to a captured size; padded rows write no K/V and no stash row a
+        request owns (their slot is the stash's scratch slot).  ``early_stop``: with ``draft_confidence``, no pass
+        once every request's draft has stopped, a host read (captured graphs run every pass)."""
+        self.draft_lengths = self.draft_probs = None
+        block = self.gather_block_inputs(query_start, last, slots, valid)
+        rows = self._block_pass(ctx, block.ids, block.feats, block.positions, writes=block.known, extra_len=0)
+        return self._draft_chain(ctx, rows, block.positions, K, sampling, want_probs, valid, early_stop)
+
+    def _draft_chain(self, ctx, rows, positions, K: int, sampling, want_probs: bool,
+                     valid: torch.Tensor | None = None, early_stop: bool = True) -> torch.Tensor:
         """Draft tokens 1..k from the relaxed block's rows [B, k, H], then passes 2..: one k-token block per
-        request on top of the previous one, while some request's draft is still going (``draft_confidence``)."""
+        request on top of the previous one, while some request's draft is still going (``draft_confidence``;
+        ``early_stop``).  ``valid`` [B]: the rows whose passes write K/V (None: all)."""
         k = self.k
+        writes = None if valid is None else valid[:, None].expand(-1, k)
         # sampled drafts: tokens drawn from the drafter at each request's temperature, their distributions handed
         # to the rejection sampler; else the drafter's argmax
         probs = [] if want_probs else None
@@ -207,9 +227,9 @@ class FalconDrafting:
         drafted = [self._draft(rows, sampling, probs, conf)]
         next_pos = positions[:, -1:] + 1 + torch.arange(k, device=positions.device)[None]  # [B, k]
         for q in range(1, math.ceil(K / k)):
-            if conf is not None and not bool((torch.cat(conf, 1).prod(1) >= self.draft_confidence).any()):
+            if early_stop and conf is not None and not bool((torch.cat(conf, 1).prod(1) >= self.draft_confidence).any()):
                 break  # every request's draft already stops: no further pass
-            rows = self._block_pass(ctx, drafted[-1], rows, next_pos + k * (q - 1), writes=None, extra_len=q * k)
+            rows = self._block_pass(ctx, drafted[-1], rows, next_pos + k * (q - 1), writes=writes, extra_len=q * k)
             drafted.append(self._draft(rows, sampling, probs, conf))
         if self.steps == 1:
             logger.info("falcon-vllm: drafted K=%d tokens in %d drafter passes (k=%d)", K, math.ceil(K / k), k)
@@ -217,14 +237,14 @@ class FalconDrafting:
             self.draft_probs = torch.cat(probs, dim=1)[:, :K].contiguous()
         if conf is not None:
             self.last_confidence = torch.cat(conf, 1)[:, :K]
-            self.draft_lengths = (self.last_confidence.cumprod(1) >= self.draft_confidence).sum(1).tolist()
+            self.draft_lengths = (self.last_confidence.cumprod(1) >= self.draft_confidence).sum(1)  # [B], on device
         return torch.cat(drafted, dim=1)[:, :K].to(torch.int64)
 
     def cut(self, chain: torch.Tensor) -> list[list[int]]:
         """This step's chain drafts [B, <=K] as per-request lists, each cut to its ``draft_confidence`` length."""
         rows = chain.tolist()
         if self.draft_lengths is not None:
-            rows = [r[:n] for r, n in zip(rows, self.draft_lengths)]
+            rows = [r[:n] for r, n in zip(rows, self.draft_lengths.tolist())]
             self.draft_lengths = None
         return rows
 
@@ -238,19 +258,35 @@ class FalconDrafting:
         """The relaxed block's inputs, each request's last k committed positions: rows of this chunk where it
         reaches back that far (``query_start`` [B] each request's first row), else the stash's rows of earlier
         steps.  ``last`` [B] each request's last valid row; ``req_ids`` key the stash (None: no request)."""
+        return self.gather_block_inputs(query_start, last, self.step_slots(req_ids, last.device))
+
+    def step_slots(self, req_ids: list[str | None], device) -> torch.Tensor:
+        """The host part of a step's relaxed block: each request's stash slot [B] (None: the scratch slot, a
+        padded row's); pending rows of requests outside the step are dropped."""
+        slots = self._step_slots = self._stash.slots(req_ids, device)
+        if self._stash.pending:
+            self._stash.retain(slots.tolist())
+        return slots
+
+    def gather_block_inputs(self, query_start: torch.Tensor, last: torch.Tensor, slots: torch.Tensor,
+                            valid: torch.Tensor | None = None) -> BlockInputs:
+        """The device part of :meth:`block_inputs`: gathers from the chunk rows, filled from and saved to the stash
+        at ``slots``; no host read.  ``valid`` [B] bool (None: every row): a padded row's inputs count as unknown,
+        so its relaxed block writes no K/V."""
         k = self.k
         offs = torch.arange(k - 1, -1, -1, device=last.device)              # k-1 .. 0
         idx = last[:, None] - offs[None]                                      # [B, k]
         known = idx >= query_start.long()[:, None]
+        if valid is not None:
+            known &= valid[:, None]
         safe = torch.where(known, idx, last[:, None].expand_as(idx))
         ids = self.input_ids[safe]                                            # gathers copy
         feats = self.hidden_states[safe]
         positions = self.positions[last].long()[:, None] - offs[None]
-        slots = self._step_slots = self._stash.slots(req_ids, last.device)
-        if self._stash.pending:
-            self._stash.retain(slots.tolist())
         if k > 1:
             known = self._stash.fill(slots, ids, feats, positions, known)
+            if valid is not None:  # a stale stash entry of the scratch slot
+                known &= valid[:, None]
             self._stash.update(slots, ids, feats, positions, known)
         return BlockInputs(ids, feats, positions, known)
 

@@ -227,8 +227,14 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
             return self._finish(step, plan, None, B)
         max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:B].max())
         self.draft_max_seq_len = min(max_seq_len + plan.chain, self.max_model_len)
-        self.step_plan = plan
-        chain = self.draft_step(step, plan.chain, input_batch.num_tokens, last, B, _Draws(plan.chain))
+        if self.tree is not None:
+            self.step_plan = plan
+            chain = self.draft_step(step, plan.chain, input_batch.num_tokens, last, B, _Draws(plan.chain))
+        else:  # the chain: host part (stash slots), then the device program (no host read: core.drafting)
+            self.steps += 1
+            slots = self.step_slots(self._req_ids(step, B), self.device)
+            chain = self.chain_program(step, input_batch.query_start_loc[:B], last.long(), slots, plan.chain,
+                                       sampling=_Draws(plan.chain), early_stop=True)
         return self._finish(step, plan, chain, B)
 
     def _plan(self, step: _Step, K: int, num_sampled: torch.Tensor, B: int) -> StepPlan:
@@ -258,7 +264,7 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
             return out
         lengths = [chain.shape[1] if chain is not None else 0] * B
         if self.draft_lengths is not None:  # draft_confidence: each chain cut where the drafter loses confidence
-            lengths = list(self.draft_lengths)
+            lengths = self.draft_lengths.tolist()
             self.draft_lengths = None
         if plan.lookup is not None:
             for i, d in enumerate(plan.lookup):
@@ -313,8 +319,13 @@ class FalconSpeculator(TargetDependentARSpeculator, FalconDrafting):
 
     # ------------------------------------------------------------------ the drafting core's passes
     def _relaxed_block_inputs(self, step: _Step, last: torch.Tensor, B: int) -> BlockInputs:
+        return self.block_inputs(step.input_batch.query_start_loc[:B], last, self._req_ids(step, B))
+
+    @staticmethod
+    def _req_ids(step: _Step, B: int) -> list[str | None]:
+        """The stash's keys of the step's rows (None: a dummy run's, which the scratch slot takes)."""
         req_ids = [] if step.dummy_run else list(step.input_batch.req_ids)[:B]
-        return self.block_inputs(step.input_batch.query_start_loc[:B], last, req_ids + [None] * (B - len(req_ids)))
+        return req_ids + [None] * (B - len(req_ids))
 
     def _draft_tree(self, step: _Step, rows: torch.Tensor, positions: torch.Tensor, K: int) -> torch.Tensor:
         B = rows.shape[0]
