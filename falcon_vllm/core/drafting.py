@@ -55,7 +55,7 @@ from falcon_vllm.serving import Serving
 from falcon_vllm.core import lookup, plan
 from falcon_vllm.core.lookup import LookupState
 from falcon_vllm.core.stash import BlockInputStash
-from falcon_vllm.core.tree_draft import DraftTreeAttention
+from falcon_vllm.core import tree_draft
 
 logger = logging.getLogger(__name__)
 PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
@@ -506,27 +506,6 @@ class FalconDrafting:
 
     def draft_tree(self, rows: torch.Tensor, positions: torch.Tensor, K: int, block_table: torch.Tensor,
                    max_prefix: int) -> torch.Tensor:
-        """The SAR tree passes after the relaxed block (rows [B, k, H] at positions [B, k]); returns the node
-        tokens [B, K].  ``K`` may be below the tree size (vLLM's dynamic speculation); the first K nodes (in slot
-        order, parents first) form a valid tree and only the passes it needs are run.  The passes attend to the
-        paged prefix (``block_table`` [>=B, blocks], at most ``max_prefix`` positions) and their ancestor blocks."""
-        tree = self.tree_state.subtrees.get(K)
-        self.tree_state.drafted_k = K
-        B, k, H = rows.shape
-        prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
-        attn = DraftTreeAttention(block_table[:B], prefix, k, max_prefix=max_prefix)
-        offs = torch.arange(k, device=rows.device)
-
-        def run_pass(p, ids, feats, ancestors):
-            nb = ids.shape[1]
-            pos = (prefix[:, None, None] + k * (p - 1) + offs).expand(B, nb, k)
-            attn.begin_pass(ancestors)
-            out = self._tree_block_pass(attn, ids.reshape(B * nb, k), feats.reshape(B * nb, k, H),
-                                        pos.reshape(B * nb, k))
-            return out.view(B, nb * k, H)
-
-        nodes = tree.draft(rows, lambda r: self._topk(r, tree.topk), run_pass)
-        if self.steps == 1:
-            logger.info("falcon-vllm: drafted a %d-node tree in %d drafter passes (k=%d)", tree.num_nodes,
-                        tree.num_passes, k)
-        return nodes
+        """The SAR tree passes after the relaxed block -> the node tokens [B, K]
+        (:func:`falcon_vllm.core.tree_draft.draft_tree`)."""
+        return tree_draft.draft_tree(self, rows, positions, K, block_table, max_prefix)

@@ -10,12 +10,16 @@ One value crosses a step boundary, by the nature of speculative decoding: the tr
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from falcon_vllm.kernels.tree_attention import causal_tree_bits, pack_mask_rows, pack_tree_mask
 from falcon_vllm.tree import DecodingTree
 from falcon_vllm.core.paged_kv import dense_attention, kv_layout, paged_kv, to_device
+
+logger = logging.getLogger(__name__)
 
 
 class SubtreeCache:
@@ -234,3 +238,29 @@ class DraftTreeAttention:
         return output
 
 
+def draft_tree(core, rows: torch.Tensor, positions: torch.Tensor, K: int, block_table: torch.Tensor,
+               max_prefix: int) -> torch.Tensor:
+    """The SAR tree passes of the drafting core ``core`` (a :class:`~falcon_vllm.core.drafting.FalconDrafting`)
+    after the relaxed block (rows [B, k, H] at positions [B, k]); returns the node tokens [B, K].  ``K`` may be below the tree size (vLLM's dynamic speculation); the first K nodes (in slot
+    order, parents first) form a valid tree and only the passes it needs are run.  The passes attend to the
+    paged prefix (``block_table`` [>=B, blocks], at most ``max_prefix`` positions) and their ancestor blocks."""
+    tree = core.tree_state.subtrees.get(K)
+    core.tree_state.drafted_k = K
+    B, k, H = rows.shape
+    prefix = positions[:, -1].long() + 1         # drafter positions 0..n-1 are in the paged cache
+    attn = DraftTreeAttention(block_table[:B], prefix, k, max_prefix=max_prefix)
+    offs = torch.arange(k, device=rows.device)
+
+    def run_pass(p, ids, feats, ancestors):
+        nb = ids.shape[1]
+        pos = (prefix[:, None, None] + k * (p - 1) + offs).expand(B, nb, k)
+        attn.begin_pass(ancestors)
+        out = core._tree_block_pass(attn, ids.reshape(B * nb, k), feats.reshape(B * nb, k, H),
+                                    pos.reshape(B * nb, k))
+        return out.view(B, nb * k, H)
+
+    nodes = tree.draft(rows, lambda r: core._topk(r, tree.topk), run_pass)
+    if core.steps == 1:
+        logger.info("falcon-vllm: drafted a %d-node tree in %d drafter passes (k=%d)", tree.num_nodes,
+                    tree.num_passes, k)
+    return nodes
