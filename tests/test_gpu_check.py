@@ -28,7 +28,8 @@ def test_cpu_mode_passes(tmp_path):
     rows = res["rows"]
     assert res["failed"] == 0 and rows and all(r["ok"] for r in rows)
     assert res["triton_mode"] == "triton-interpreter" and res["device"].startswith("CPU")
-    assert {r["case"] for r in rows if r["piece"] != "chain-graph"} == {c.id for c in gpu_check.grid(gpu_check.GRIDS["quick"])}
+    cases = {c.id for c in gpu_check.grid(gpu_check.GRIDS["quick"])}
+    assert {r["case"] for r in rows if r["piece"] != "chain-graph"} == cases
     done = {(r["piece"], r["path"]) for r in rows}
     for want in [("step", "_begin_tree_step"), ("attn-whole", "torch-ref"), ("attn-whole", "triton-interpreter"),
                  ("attn-rows", "torch-ref"), ("attn-rows", "triton-interpreter"), ("draft", "dense"),
@@ -76,7 +77,7 @@ SABOTAGE = {  # piece -> (object, attribute, replacement given the original): a 
     "sampler-greedy": (gpu_check, "oracle_greedy", _shorter_path),
     "sampler-topk1": ("falcon_vllm.vllm.tree_verify", "compact_kv", lambda orig: lambda *a, **k: None),  # plugin
     "chain-graph": (FalconDrafting, "gather_block_inputs",         # padded rows' relaxed blocks write K/V
-                    lambda orig: lambda self, query_start, last, slots, valid=None: orig(self, query_start, last, slots)),
+                    lambda orig: lambda self, qs, last, slots, valid=None: orig(self, qs, last, slots)),
 }
 
 

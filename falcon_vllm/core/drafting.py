@@ -52,10 +52,9 @@ import torch
 
 from falcon_vllm.datastore import Datastore
 from falcon_vllm.serving import Serving
-from falcon_vllm.core import lookup, plan
+from falcon_vllm.core import lookup, plan, tree_draft
 from falcon_vllm.core.lookup import LookupState
 from falcon_vllm.core.stash import BlockInputStash
-from falcon_vllm.core import tree_draft
 
 logger = logging.getLogger(__name__)
 PADDING_SLOT_ID = -1  # the KV-cache writers skip negative slots
@@ -227,7 +226,8 @@ class FalconDrafting:
         drafted = [self._draft(rows, sampling, probs, conf)]
         next_pos = positions[:, -1:] + 1 + torch.arange(k, device=positions.device)[None]  # [B, k]
         for q in range(1, math.ceil(K / k)):
-            if early_stop and conf is not None and not bool((torch.cat(conf, 1).prod(1) >= self.draft_confidence).any()):
+            if early_stop and conf is not None and not bool(
+                    (torch.cat(conf, 1).prod(1) >= self.draft_confidence).any()):
                 break  # every request's draft already stops: no further pass
             rows = self._block_pass(ctx, drafted[-1], rows, next_pos + k * (q - 1), writes=writes, extra_len=q * k)
             drafted.append(self._draft(rows, sampling, probs, conf))

@@ -241,9 +241,10 @@ class DraftTreeAttention:
 def draft_tree(core, rows: torch.Tensor, positions: torch.Tensor, K: int, block_table: torch.Tensor,
                max_prefix: int) -> torch.Tensor:
     """The SAR tree passes of the drafting core ``core`` (a :class:`~falcon_vllm.core.drafting.FalconDrafting`)
-    after the relaxed block (rows [B, k, H] at positions [B, k]); returns the node tokens [B, K].  ``K`` may be below the tree size (vLLM's dynamic speculation); the first K nodes (in slot
-    order, parents first) form a valid tree and only the passes it needs are run.  The passes attend to the
-    paged prefix (``block_table`` [>=B, blocks], at most ``max_prefix`` positions) and their ancestor blocks."""
+    after the relaxed block (rows [B, k, H] at positions [B, k]); returns the node tokens [B, K].  ``K`` may be
+    below the tree size (vLLM's dynamic speculation); the first K nodes (in slot order, parents first) form a valid
+    tree and only the passes it needs are run.  The passes attend to the paged prefix (``block_table`` [>=B,
+    blocks], at most ``max_prefix`` positions) and their ancestor blocks."""
     tree = core.tree_state.subtrees.get(K)
     core.tree_state.drafted_k = K
     B, k, H = rows.shape
