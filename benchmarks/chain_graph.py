@@ -17,13 +17,14 @@ Checks, per batch size (the batch padded to a captured size with rows that have 
 
 from __future__ import annotations
 
-import math
 import types
 
 import torch
 
 from falcon_vllm.core.drafting import FalconDrafting
 from falcon_vllm.serving import Serving
+
+PASSES = 3  # drafter passes of the step checked: it drafts K = PASSES * k tokens
 
 
 class StandInDrafter(FalconDrafting):
@@ -72,7 +73,7 @@ def make_step(k: int, B: int, pad: int, H: int, V: int, dev, seed: int = 0, bloc
     batch of B requests padded by ``pad`` rows: (drafter, run) where run() drafts [B + pad, K]."""
     prefix = [5 + (37 * r) % 90 for r in range(B)]                     # each request's committed positions
     chunk = [1 + r % k for r in range(B)]                                # rows verified this step (< k: stash)
-    nblk = [-(-(p + 3 * k + 8) // block_size) for p in prefix]
+    nblk = [-(-(p + PASSES * k + 8) // block_size) for p in prefix]
     num_blocks = sum(nblk) + 1
     d = StandInDrafter(k, B, H, V, num_blocks, block_size, dev, seed)
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
@@ -108,7 +109,7 @@ def make_step(k: int, B: int, pad: int, H: int, V: int, dev, seed: int = 0, bloc
     # step 2: `chunk` rows each; the relaxed block takes the others from the stash
     qs, last = lay_out(chunk, prefix)
     slots = d.step_slots(req_ids, dev)
-    K = 3 * k
+    K = PASSES * k
 
     def run():
         return d.chain_program(ctx, qs, last, slots, K, valid=valid)
@@ -122,7 +123,7 @@ def check(ck, dev, quick: bool, timer) -> None:
     sizes = ((1, 1), (3, 5)) if quick else ((1, 1), (5, 8), (57, 64))
     cuda = dev.type == "cuda"
     for B, Bp in sizes:
-        case = f"chain program k={k} K={3 * k} B={B} padded to {Bp} H={H} V={V}"
+        case = f"chain program k={k} K={PASSES * k} B={B} padded to {Bp} H={H} V={V}"
         box = {}
 
         def prepare(B=B, Bp=Bp):
@@ -141,7 +142,7 @@ def check(ck, dev, quick: bool, timer) -> None:
                 bad.append("padded drafts")
             if not torch.allclose(d.kv[:d.sink], want_d.kv[:want_d.sink], rtol=1e-4, atol=1e-4):
                 bad.append("padded K/V")  # (a GEMM's rounding may depend on its row count)
-            note = f"{math.ceil(3 * k / k)} passes per step"
+            note = f"{PASSES} passes per step"
             if cuda:
                 graph_ok, graph_note = capture_and_replay(box, ck.reps, timer)
                 if not graph_ok:

@@ -277,17 +277,15 @@ class FalconDrafting:
         offs = torch.arange(k - 1, -1, -1, device=last.device)              # k-1 .. 0
         idx = last[:, None] - offs[None]                                      # [B, k]
         known = idx >= query_start.long()[:, None]
-        if valid is not None:
-            known &= valid[:, None]
         safe = torch.where(known, idx, last[:, None].expand_as(idx))
         ids = self.input_ids[safe]                                            # gathers copy
         feats = self.hidden_states[safe]
         positions = self.positions[last].long()[:, None] - offs[None]
         if k > 1:
             known = self._stash.fill(slots, ids, feats, positions, known)
-            if valid is not None:  # a stale stash entry of the scratch slot
-                known &= valid[:, None]
-            self._stash.update(slots, ids, feats, positions, known)
+            self._stash.update(slots, ids, feats, positions, known)  # (a padded row: the scratch slot only)
+        if valid is not None:  # a padded row's rows, from the chunk or the scratch slot, are not its own
+            known = known & valid[:, None]
         return BlockInputs(ids, feats, positions, known)
 
     def _fuses(self, num_tokens: int, B: int) -> bool:
