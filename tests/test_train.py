@@ -768,6 +768,59 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
     assert installed == [] and "installed" not in out and out["falcon_overrides"] == over
 
 
+def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, monkeypatch):
+    """The Qwen2.5-Coder-1.5B recipe (drafter v3): gen-data featurizes each answers set in the source tree
+    through vLLM and generates nothing (the growing set: every conversation its file holds); Falcon and EAGLE-1
+    train in the same two stages on the same data and head (the first set held out, the others extra); tune-tree
+    fits serving.json once (a resumed run keeps it); nothing is installed (stubs: no real training)."""
+    from falcon_vllm import models, tune_tree
+    from falcon_vllm.train import gen_data, recipes as trainer
+    from falcon_vllm.train.answer_files import answers_meta
+
+    gens, seen, fits, installed, logs = [], [], [], [], []
+    monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / f"target-{a[0] if a else 'default'}")
+    monkeypatch.setattr(gen_data, "run", lambda *a, **k: gens.append((a, k)))
+    monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
+
+    def fit(args):
+        fits.append(args)
+        with open(args.out, "w") as f:
+            f.write("{}")
+
+    monkeypatch.setattr(tune_tree, "main", fit)
+    monkeypatch.setattr(trainer, "install_drafter", lambda *a, **k: installed.append(a))
+    w = str(tmp_path / "w")
+    os.makedirs(os.path.join(w, "falcon-stage2"))  # (training, stubbed here, makes it)
+    out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    here = os.path.join(os.path.dirname(trainer.__file__), "answers")
+    grown = int(answers_meta(os.path.join(here, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
+    assert grown >= 2560
+    got = [(os.path.relpath(a[1], w), a[2], a[3], os.path.basename(k["answers"]), k["data"] and os.path.basename(k["data"]),
+            k["skip_conversations"], k["featurizer"], k["backend"]) for a, k in gens]
+    assert got == [("data/qwen15", 960, 256, "qwen15-sharegpt.safetensors", None, 0, "vllm", "vllm"),
+                   ("data/qwen15-code", 918, 256, "qwen15-code.safetensors", "qwen15-code-questions.json", 0, "vllm",
+                    "vllm"),
+                   ("data/qwen15-sharegpt-from1296", grown, 256, "qwen15-sharegpt-from1296.safetensors", None, 1296,
+                    "vllm", "vllm")]
+    assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens)
+    data, extra = os.path.join(w, "data", "qwen15"), ",".join(os.path.join(w, "data", n) for n in (
+        "qwen15-code", "qwen15-sharegpt-from1296"))
+    assert [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr)
+            for c in seen] == [("falcon", "falcon", None, 5, 4e-4), ("falcon", "falcon-stage2", "falcon", 3, 2e-4),
+                               ("eagle", "eagle", None, 5, 4e-4), ("eagle", "eagle-stage2", "eagle", 3, 2e-4)]
+    # the same data, head and MLP width for both drafters; the Falcon stages in v2's architecture
+    assert {(c.data_dir, c.extra_data_dir, c.draft_vocab, c.train_draft_head, c.intermediate_size, c.layers,
+             c.eval_every_epoch, c.max_conversations) for c in seen} == {(data, extra, 16384, False, 3584, 1, False, None)}
+    assert {(c.k, c.fusion, c.block_order) for c in seen[:2]} == {(2, "fc", "reversed")}
+    assert len(fits) == 1 and fits[0].drafter == os.path.join(w, "falcon-stage2") and fits[0].data == data
+    assert (fits[0].num_prompts, fits[0].batch_sizes, fits[0].widths) == (39, "1,2,4", "2,3,4,6,8,12")
+    assert fits[0].out == os.path.join(w, "falcon-stage2", "serving.json")
+    assert installed == [] and "installed" not in out and any("installs nothing" in m for m in logs)
+    assert json.load(open(os.path.join(w, "recipe_log.json")))["drafters"][0] == os.path.join(w, "falcon-stage2")
+    trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)  # resumed: the fitted trees are kept
+    assert len(fits) == 1 and any("serving.json exists: kept" in m for m in logs)
+
+
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own
 COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--threads"}
 

@@ -1,10 +1,11 @@
 """``falcon-vllm train``: one training run from its flags, or a whole known recipe (``--recipe``).
 
-A recipe is one command from nothing to installed drafters: gen-data for the target, the Falcon drafter
+A recipe is one command from nothing to trained drafters: gen-data for the target, the Falcon drafter
 (CSGD) and its EAGLE-1 baseline, each trained in stages (each later stage continues the one before with a
-new optimiser and schedule), the datastore of the answers trained on, and the drafters installed into
-``falcon_vllm/drafters/``.  Every step resumes where it stopped.  The training flags are generated from
-:class:`falcon_vllm.train.config.TrainConfig`.
+new optimiser and schedule) on the same data with the same head, then what the shipped drafter serves with (the
+datastore of the answers trained on, or a tree fitted by ``tune-tree``), and the drafters installed into
+``falcon_vllm/drafters/`` where the recipe says so.  Every step resumes where it stopped.  The training flags are
+generated from :class:`falcon_vllm.train.config.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ RECIPES = {
                 "continue": [{"epochs": 4, "lr": 1e-3}, {"epochs": 2, "lr": 1e-3, "max_conversations": 5280},
                              {"epochs": 3, "lr": 1e-3, "max_conversations": None},
                              {"epochs": 2, "lr": 3e-4, "max_conversations": None}]},
+    # Qwen2.5-Coder-1.5B-Instruct (drafter v3): every stored answer of the target (tokens in the source tree,
+    # featurized by a prefill through vLLM; nothing is generated), the Falcon drafter of the shipped v2 (k=2, fc
+    # fusion, 1 layer with its MLP narrowed to 3,584, reversed block order, frozen 16,384-token head, lr 4e-4:
+    # a 1,536-wide drafter diverged at 1e-3) and the EAGLE-1 baseline in the same two stages, then the tree
+    # fitted by tune-tree to the held-out rank profile and vLLM's step cost (the drafter's serving.json).  The
+    # first set is --data (its last 1/16 held out: the same 60 conversations as v2's); the others are
+    # --extra-data.  Not installed: it replaces the shipped drafter only after a same-run A/B against it.
+    "qwen2.5-coder-1.5b": {
+        "target": "qwen2.5-coder-1.5b-instruct", "max_new_tokens": 256, "shard_size": 32, "backend": "vllm",
+        "featurizer": "vllm",
+        "sets": [{"name": "qwen15", "answers": "qwen15-sharegpt.safetensors", "num_conversations": 960},
+                 {"name": "qwen15-code", "answers": "qwen15-code.safetensors",
+                  "questions": "qwen15-code-questions.json", "num_conversations": 918},
+                 {"name": "qwen15-sharegpt-from1296", "answers": "qwen15-sharegpt-from1296.safetensors",
+                  "skip_conversations": 1296}],  # no count: every conversation the file holds when the run starts
+        "epochs": 5, "batch_size": 8, "lr": 4e-4, "fusion": "fc", "k": 2, "tree": "falcon-llama",
+        "falcon_block_order": "reversed", "draft_vocab": 16384, "eagle_tree": "eagle-small",
+        "train": {"intermediate_size": 3584, "train_draft_head": False, "eval_every_epoch": False},
+        "datastore": False, "install": False,
+        "tune_tree": ["--num-prompts", "39", "--batch-sizes", "1,2,4", "--widths", "2,3,4,6,8,12"],
+        "falcon_dir": "qwen2.5-coder-1.5b-instruct", "eagle_dir": "qwen2.5-coder-1.5b-instruct-eagle",
+        "continue": [{"epochs": 3, "lr": 2e-4}]},
 }
 
 # the flags a recipe run takes from the command line for its Falcon stages (a variant of the recipe to compare)
@@ -48,9 +71,10 @@ RECIPE_FALCON_FLAGS = ("glance", "block_phase")
 
 def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", log=print,
                falcon_overrides: dict | None = None) -> dict:
-    """gen-data + Falcon (CSGD) + EAGLE baseline for a known target; installs into falcon_vllm/drafters.
-    Every step resumes where it stopped (gen-data by shard, training by epoch).  ``falcon_overrides``: TrainConfig
-    fields (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's."""
+    """gen-data + Falcon (CSGD) + EAGLE baseline for a known target, then what the Falcon drafter serves with;
+    installs into falcon_vllm/drafters where the recipe does.  Every step resumes where it stopped (gen-data by
+    shard, training by epoch, a tree already fitted is kept).  ``falcon_overrides``: TrainConfig fields
+    (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's."""
     from falcon_vllm.models import model_path
 
     r = RECIPES[name]
@@ -58,47 +82,88 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     if unknown := sorted(set(falcon_overrides) - set(RECIPE_FALCON_FLAGS)):
         raise ValueError(f"falcon-vllm: train --recipe: only {', '.join(RECIPE_FALCON_FLAGS)} can be changed for the "
                          f"Falcon stages, not {unknown}")
-    target_dir = str(model_path())
-    data = os.path.join(work, "data")
+    target_dir = str(model_path(r["target"]) if "target" in r else model_path())
     t0 = time.time()
-    answers = recipe_data(r, target_dir, data, log)
+    data, extra, answers = recipe_data(r, target_dir, work, log)
     t_data = time.time() - t0
-    common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"], batch_size=r["batch_size"], lr=r["lr"],
-                  draft_vocab=r["draft_vocab"], save_dtype="bfloat16", device=device,
-                  max_conversations=r.get("max_conversations"))
+    common = dict(data_dir=data, extra_data_dir=extra, target_dir=target_dir, epochs=r["epochs"],
+                  batch_size=r["batch_size"], lr=r["lr"], draft_vocab=r["draft_vocab"], save_dtype="bfloat16",
+                  device=device, max_conversations=r.get("max_conversations"), **r.get("train", {}))
     fal = train_stages(r, os.path.join(work, "falcon"), log, k=r["k"], fusion=r["fusion"], tree=r["tree"],
                        layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
                        **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}, **falcon_overrides)
     eag = train_stages(r, os.path.join(work, "eagle"), log, mode="eagle", tree=r["eagle_tree"], **common)
-    save_datastore(r, fal["out"], answers, data, work)
+    files = ["config.json", "model.safetensors"]
+    if r.get("datastore", True):
+        save_datastore(r, fal["out"], answers, data, work)
+        files.append("datastore.npz")
+    if "tune_tree" in r:
+        fit_tree(r, target_dir, fal["out"], data, log)
+        files.append("serving.json")
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
            "eagle": eag["final"], "falcon_overrides": falcon_overrides,
-           "total_seconds": round(time.time() - t0, 1)}
-    if install:
+           "total_seconds": round(time.time() - t0, 1), "drafters": [fal["out"], os.path.join(eag["out"], "vllm-eagle")]}
+    if install and r.get("install", True):
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
-        install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]),
-                        files=("config.json", "model.safetensors", "datastore.npz"))
+        install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]), files=tuple(files))
         install_drafter(os.path.join(eag["out"], "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
         out["installed"] = [r["falcon_dir"], r["eagle_dir"]]
+    elif install:
+        log(f"falcon-vllm: train --recipe {name}: the drafters stay in {work} (this recipe installs nothing): "
+            f"A/B it against the shipped falcon_vllm/drafters/{r['falcon_dir']} in one run (python "
+            f"benchmarks/ab_step.py --model {target_dir} --configs vanilla,falcon,falcon@{fal['out']}), and copy "
+            f"its {', '.join(files)} there if it wins")
     with open(os.path.join(work, "recipe_log.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
 
 
-def recipe_data(r: dict, target_dir: str, data: str, log) -> str:
-    """gen-data for recipe ``r`` into ``data``: featurized from the recipe's stored answers (in the source tree)
-    where they are, generated otherwise.  Returns the answers file's path (it may not exist)."""
+def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | None, str]:
+    """gen-data for recipe ``r`` under ``work/data``: each of its sets featurized from its stored answers (in the
+    source tree) where they are, generated otherwise.  Returns the first set's directory (``--data``: its last
+    1/16 held out), the others' (``--extra-data``, or None) and the first set's answers file (it may not exist)."""
     import importlib.util
+
+    from falcon_vllm.train.answer_files import answers_meta
 
     backend = r["backend"]
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
         backend = "hf"
-    # the recipe's conversations as generated before (tokens only, in the source tree): featurized, not generated
-    answers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers", r["answers"])
-    gen_data.run(target_dir, data, r["num_conversations"], r["max_new_tokens"], shard_size=r["shard_size"],
-                 backend=backend, answers=answers if os.path.exists(answers) else None)
-    return answers
+    featurizer = r.get("featurizer", "hf") if backend == "vllm" else "hf"
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers")
+    sets = r.get("sets") or [{"name": "", "answers": r["answers"], "num_conversations": r["num_conversations"]}]
+    dirs, files = [], []
+    for s in sets:
+        # the set's conversations as generated before (tokens only, in the source tree): featurized, not generated
+        answers = os.path.join(here, s["answers"])
+        n = s.get("num_conversations") or int(answers_meta(answers)["conversations"])
+        d = os.path.join(work, "data", s["name"]) if s["name"] else os.path.join(work, "data")
+        gen_data.run(target_dir, d, n, r["max_new_tokens"], shard_size=r["shard_size"], backend=backend,
+                     answers=answers if os.path.exists(answers) else None,
+                     data=os.path.join(here, s["questions"]) if "questions" in s else None,
+                     skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer)
+        dirs.append(d)
+        files.append(answers)
+    return dirs[0], ",".join(dirs[1:]) or None, files[0]
+
+
+def fit_tree(r: dict, target_dir: str, drafter_dir: str, data: str, log) -> str:
+    """``serving.json`` in ``drafter_dir``: the trees ``tune-tree`` fits per batch size to the drafter's rank
+    profile on ``data``'s held-out conversations and to vLLM's step cost on this machine (kept if it exists)."""
+    import argparse
+
+    from falcon_vllm import tune_tree
+
+    out = os.path.join(drafter_dir, "serving.json")
+    if os.path.exists(out):
+        log(f"{out} exists: kept (delete it to fit the trees again)")
+        return out
+    p = argparse.ArgumentParser()
+    tune_tree.add_arguments(p)
+    tune_tree.main(p.parse_args(["--target", target_dir, "--drafter", drafter_dir, "--data", data, "--out", out,
+                                 *r["tune_tree"]]))
+    return out
 
 
 def train_stages(r: dict, out: str, log, **kw) -> dict:
@@ -143,8 +208,9 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
 
 def add_arguments(p):
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
-                   help="run a whole known recipe (gen-data, Falcon drafter, EAGLE baseline) into --work and "
-                        "install the drafters into falcon_vllm/drafters/; resumable")
+                   help="run a whole known recipe into --work (gen-data, the Falcon drafter and its EAGLE-1 baseline "
+                        "on the same data; smollm2 installs both into falcon_vllm/drafters/, qwen2.5-coder-1.5b "
+                        "fits the Falcon drafter's serving.json and installs nothing); resumable")
     p.add_argument("--work", default=".cache/drafter-run", help="working directory of --recipe")
     p.add_argument("--no-install", action="store_true",
                    help="with --recipe: leave the trained drafters in --work instead of installing them into "
