@@ -4,8 +4,9 @@ captured inside vLLM (``gen-data --featurizer vllm``), same machine, same run.
 Stages, each in its own process, one after the other (vLLM's CPU worker binds the process's OpenMP threads, so
 no stage inherits another's binding), on the same ShareGPT first turns:
 
-* ``today-answer``: vLLM answers (``gen-data --answers-only --gen-dtype bfloat16``: bf16, vLLM's ``auto`` thread
-  binding, which keeps one of the cores for an engine-core process an in-process engine does not have);
+* ``today-answer``: vLLM answers (``gen-data --answers-only``, vLLM's ``auto`` thread binding, which keeps one of
+  the cores for an engine-core process an in-process engine does not have), in the dtype the capture stages use
+  (``--featurize-dtype``: bf16 where the CPU has native bf16, fp32 elsewhere);
 * ``today-featurize``: those answers featurized by transformers in fp32 on every core (``gen-data --answers``);
 * ``combined``: the capture engine answers and keeps the states in one pass (``--featurizer vllm``; bf16 where
   the CPU has native bf16; every core);
@@ -59,17 +60,19 @@ def stage(args) -> dict:
 
     w = args.work
     if args.stage == "today-answer":
+        from falcon_vllm.train.vllm_data import featurize_dtype
         from falcon_vllm.vllm.generate import VLLMGenerator
 
         prompts = _prompts(args)
-        gen = VLLMGenerator(args.target, 512 + args.max_new_tokens, max_num_seqs=128, dtype="bfloat16")
+        dtype = featurize_dtype(args.featurize_dtype)
+        gen = VLLMGenerator(args.target, 512 + args.max_new_tokens, max_num_seqs=128, dtype=dtype)
         t0, c0 = time.perf_counter(), time.process_time()
         answers = gen(prompts, args.max_new_tokens)
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         gen.close()
         _save(os.path.join(w, "seqs.pt"), [p + a for p, a in zip(prompts, answers)])
         return {"answer_tokens": sum(map(len, answers)), "tokens": sum(len(p) + len(a) for p, a in zip(prompts, answers)),
-                "seconds": secs, "cpu_seconds": cpu, "dtype": "bfloat16", "threads": "vLLM auto bind"}
+                "seconds": secs, "cpu_seconds": cpu, "dtype": dtype, "threads": "vLLM auto bind"}
     if args.stage == "today-featurize":
         from transformers import AutoModelForCausalLM
 
@@ -124,7 +127,7 @@ def report(args, rows: dict, argv, runs: list[dict], load: float) -> None:
     cmd = "python benchmarks/data_throughput.py " + " ".join(shlex.quote(str(portable(a))) for a in argv)
     ta, tf, cb, pf = (rows.get(s) for s in STAGES)
     today = {k: _today(ta, tf, k) for k in ("seconds", "cpu_seconds")} if ta and tf else None
-    table = [("answer (today: vLLM bf16, auto bind)", ta, "answer"), ("featurize (today: transformers fp32)", tf, "feat"),
+    table = [("answer (today: vLLM, auto bind)", ta, "answer"), ("featurize (today: transformers fp32)", tf, "feat"),
              ("answer, then featurize (today)", None, "today"),
              ("answer + featurize in one pass (states captured in vLLM)", cb, "feat"),
              ("featurize stored answers (prefill through vLLM)", pf, "feat")]
