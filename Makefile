@@ -44,7 +44,7 @@ models-qwen: venv
 	$(PY) -m falcon_vllm.cli prepare-models qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 test: models
-	$(PY) -m pytest -q -x tests --ignore=tests/test_kernels.py
+	$(PY) -m pytest -q -x --durations=25 tests --ignore=tests/test_kernels.py
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py
 
 test-fast: venv
