@@ -15,7 +15,7 @@ COMMANDS = {
     "prepare-models": ("falcon_vllm.models_cli", "convert the offline models (GGUF in PyPI packages) to HF dirs"),
     "demo": ("falcon_vllm.vllm.demo", "answer MT-Bench questions with and without falcon; compare speed and outputs"),
     "serve": ("falcon_vllm.vllm.serve", "start vLLM's OpenAI-compatible server (same flags as `vllm serve`)"),
-    "gen-data": ("falcon_vllm.train.gen_data", "regenerate conversations with the target and store its features"),
+    "gen-data": ("falcon_vllm.train.gen_command", "regenerate conversations with the target and store its features"),
     "gen-prompts": ("falcon_vllm.train.gen_prompts", "sample user questions from the target itself (more prompts for gen-data)"),
     "train": ("falcon_vllm.train.recipes", "train a Falcon (CSGD) or EAGLE drafter on stored features"),
     "convert": ("falcon_vllm.convert", "convert an official Falcon checkpoint to a falcon-vllm drafter dir"),

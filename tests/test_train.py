@@ -436,7 +436,7 @@ def test_gen_data_answers_only_grows_a_file_that_featurizes_as_a_full_run(tmp_pa
     """--answers-only answers through one engine kept up across shards, writes the answers file after every
     shard, resumes from it, records each run; featurizing that file later gives a full run's shards."""
     import falcon_vllm.vllm.generate as vgen
-    from falcon_vllm.train import gen_data
+    from falcon_vllm.train import gen_data, grow
     from falcon_vllm.train.answer_files import answers_meta
 
     engines = []
@@ -457,9 +457,9 @@ def test_gen_data_answers_only_grows_a_file_that_featurizes_as_a_full_run(tmp_pa
              for i in range(10)]
     (tmp_path / "sg.json").write_text(json.dumps(convs))
     f, kw = str(tmp_path / "ans.safetensors"), dict(data=str(tmp_path / "sg.json"), tokenizer=_FakeTokenizer())
-    assert gen_data.answers_only("tiny", f, 6, 8, 4, gen_dtype="bfloat16", **kw) == 6  # shards of 4 and 2
+    assert grow.answers_only("tiny", f, 6, 8, 4, gen_dtype="bfloat16", **kw) == 6  # shards of 4 and 2
     assert engines == ["bfloat16", "closed"]  # one engine for both shards
-    assert gen_data.answers_only("tiny", f, 10, 8, 4, **kw) == 10  # resumed: conversations 6-9 only
+    assert grow.answers_only("tiny", f, 10, 8, 4, **kw) == 10  # resumed: conversations 6-9 only
     runs = json.loads(answers_meta(f)["runs"])
     assert [(r["conversations"], r["dtype"]) for r in runs] == [(6, "bfloat16"), (4, "float32")]
     assert all(r["answer_tokens"] > 0 for r in runs)
@@ -469,7 +469,7 @@ def test_gen_data_answers_only_grows_a_file_that_featurizes_as_a_full_run(tmp_pa
     assert len(later) == 10 and all(torch.equal(x.tokens, y.tokens) and torch.equal(x.features, y.features)
                                     for x, y in zip(full, later))
     with pytest.raises(ValueError, match="other settings: max_new_tokens"):
-        gen_data.answers_only("tiny", f, 10, 9, 4, **kw)
+        grow.answers_only("tiny", f, 10, 9, 4, **kw)
     # the file names the prompts it answered, and featurizing it against other prompts says which they were
     assert answers_meta(f)["data"] == "sg.json"
     (tmp_path / "other.json").write_text(json.dumps(convs[1:]))
@@ -508,6 +508,13 @@ def test_gen_data_resumes_by_shard(tmp_path, target, monkeypatch):
     manifest = json.loads((out / "manifest.json").read_text())
     assert [sh["file"] for sh in manifest["shards"]] == [f"shard_0000{i}.safetensors" for i in range(3)]
     assert len(load_shards(str(out))) == 6
+    # a run of more conversations writes the last shard again where it holds fewer than a shard's
+    gen_data.run("tiny", str(tmp_path / "d4"), 3, 8, **{**kw, "shard_size": 4})
+    generated.clear()
+    gen_data.run("tiny", str(tmp_path / "d4"), 6, 8, **{**kw, "shard_size": 4})
+    assert generated == [4, 2]  # the first shard whole again (3 conversations of 4 before), then the next one
+    assert [sh["conversations"] for sh in json.loads((tmp_path / "d4" / "manifest.json").read_text())["shards"]] == [4, 2]
+    assert [s.tokens.tolist() for s in load_shards(str(tmp_path / "d4"))] == [s.tokens.tolist() for s in load_shards(str(out))][:6]
 
 
 def test_gen_data_featurizes_the_data_replies(tmp_path, target, monkeypatch):

@@ -95,3 +95,43 @@ def test_gen_data_featurizer_vllm_agrees_with_the_transformers_shards(tiny, tmp_
     # features rebuilt from part of an answers file that the same run saves to: the file is not shrunk
     gen_data.run(path, str(tmp_path / "part"), 3, 10, answers=ans, model=model, save_answers_to=ans, **kw)
     assert answers_meta(ans)["conversations"] == "5"
+
+
+def test_answers_only_with_out_keeps_the_states_a_later_run_reuses(tiny, tmp_path):
+    """gen-data --answers-only FILE --out DIR: each shard it answers from the shard's first conversation on is written
+    with the states captured while answering (a shard begun part-way keeps none); a later --answers FILE run into
+    DIR featurizes only the rest (the shards missing or holding fewer conversations, by a prefill through vLLM),
+    and every state equals transformers' fp32 state of the stored answer."""
+    from falcon_vllm.train import gen_data, grow
+    from falcon_vllm.train.answer_files import load_answers
+
+    model, path = tiny
+    convs = [{"conversations": [{"from": "human", "value": f"ask {i} " * (1 + i % 3)},
+                                {"from": "gpt", "value": "a"}]} for i in range(5)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    ans, out, data = str(tmp_path / "answers.safetensors"), tmp_path / "out", str(tmp_path / "sg.json")
+    kw = dict(data=data, out_dir=str(out), featurize_dtype="float32")
+    assert grow.answers_only(path, ans, 1, 10, 2, **kw) == 1  # shard 0, one conversation of two
+    assert grow.answers_only(path, ans, 5, 10, 2, **kw) == 5  # conversation 1 (part of shard 0), shards 1 and 2
+    man = json.loads((out / "manifest.json").read_text())
+    assert [(sh["file"], sh["conversations"], sh["last_row_zero"]) for sh in man["shards"]] == [
+        ("shard_00000.safetensors", 1, 1), ("shard_00001.safetensors", 2, 2), ("shard_00002.safetensors", 1, 1)]
+    assert (man["featurizer"], man["featurize_dtype"]) == ("vllm", "float32")
+    kept = (out / "shard_00001.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="other --featurize-dtype"):
+        grow.answers_only(path, ans, 5, 10, 2, **{**kw, "featurize_dtype": "bfloat16"})
+    gen_data.run(path, str(out), 5, 10, shard_size=2, data=data, backend="vllm", answers=ans, featurizer="vllm",
+                 featurize_dtype="float32")
+    man = json.loads((out / "manifest.json").read_text())
+    assert [(sh["conversations"], sh.get("from_answers", False)) for sh in man["shards"]] == [
+        (2, True), (2, False), (1, False)]
+    assert (out / "shard_00001.safetensors").read_bytes() == kept  # not featurized again
+    stored, shards = load_answers(ans, {**answers_meta(ans), "max_turns": 1})[0], load_shards(str(out))
+    assert len(shards) == 5
+    for i, (x, (q, m)) in enumerate(zip(shards, stored)):
+        assert x.tokens.tolist() == q and x.loss_mask.tolist() == [bool(b) for b in m] and any(m)
+        with torch.inference_mode():
+            ref = model.base_model(input_ids=torch.tensor([q])).last_hidden_state[0]
+        rows = len(q) - (1 if i >= 2 else 0)  # the combined pass never computes an answer's last row
+        assert ((x.features[:rows].float() - ref[:rows]).abs() <= 2e-2 * ref[:rows].abs().clamp(min=1)).all()
+        assert i < 2 or not x.features[-1].any()

