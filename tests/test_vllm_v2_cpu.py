@@ -34,7 +34,7 @@ def ckpts(tmp_path_factory):
     from falcon_vllm.train.trainer import export_vllm_eagle
 
     base = tmp_path_factory.mktemp("v2")
-    target = tiny_llama(vocab=49152, hidden=64, heads=2, kv_heads=1, seed=7)
+    target = tiny_llama(vocab=4096, hidden=64, heads=2, kv_heads=1, seed=7)
     save_target(target, str(base / "target"))
     export_vllm_eagle(random_drafter(target, k=1, fusion="fc", seed=3), str(base / "eagle"))
     random_drafter(target, k=2, fusion="lstm", seed=3).save_pretrained(str(base / "falcon_k2"))
