@@ -253,10 +253,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
                desc=f"gen-data ({backend if replies == 'target' else 'the data replies'})", unit="conv")
     for shard, path, t in zip(shards, paths, todo):
         if t:
-            entry = write_conversations(job, path, shard, prompts, convs)[0]
-            manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] != path.name] + [entry]
-            manifest["shards"].sort(key=lambda sh: sh["file"])
-            (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            record_shard(out, manifest, write_conversations(job, path, shard, prompts, convs)[0])
             if save_answers_to:
                 save_answers(str(out), save_answers_to, keep_longer=True)  # not shrunk by a rebuild from it
             bar.update(len(shard))
@@ -270,6 +267,13 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     manifest["shards"] = manifest["shards"][:len(shards)]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def record_shard(out: Path, manifest: dict, entry: dict) -> None:
+    """Put a written shard's ``entry`` into ``manifest`` (in place of one of the same file) and write it to ``out``."""
+    manifest["shards"] = sorted([sh for sh in manifest["shards"] if sh["file"] != entry["file"]] + [entry],
+                                key=lambda sh: sh["file"])
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 def data_manifest(target_dir: str, hidden_size: int, max_new_tokens: int, max_turns: int, max_total_tokens: int,
@@ -340,7 +344,7 @@ def check_stored_prompts(stored, prompts: list, source: str, answers_path: str) 
                              f"prompt (another dataset, template or order{hint})")
 
 
-def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> dict:
+def write_conversations(job: Job, path: Path, shard: list[int], prompts: list, convs: list) -> tuple[dict, list, list]:
     """Write shard ``path``: the conversations ``shard`` (indices into ``prompts`` and ``convs``), answered (or
     taken from the stored answers) and featurized.  Returns its manifest entry, and the conversations' tokens and
     loss masks."""

@@ -18,8 +18,8 @@ from falcon_vllm.config import dir_name
 from falcon_vllm.train import vllm_data
 from falcon_vllm.train.answer_files import GENERATION, answers_meta, load_answers, write_answers
 from falcon_vllm.train.gen_checks import shards_written
-from falcon_vllm.train.gen_data import (Job, answer_shard, check_stored_prompts, data_manifest, usable_prompts,
-                                        write_conversations)
+from falcon_vllm.train.gen_data import (Job, answer_shard, check_stored_prompts, data_manifest, record_shard,
+                                        usable_prompts, write_conversations)
 
 
 def chunks(start: int, end: int, size: int) -> list[list[int]]:
@@ -71,9 +71,7 @@ def answers_only(target_dir: str, path: str, num_conversations: int | None, max_
             if manifest is not None and shard[0] % shard_size == 0:  # the whole shard's states, kept while answering
                 name = f"shard_{shard[0] // shard_size:05d}.safetensors"
                 entry, seqs, masks = write_conversations(job, Path(out_dir, name), shard, prompts, convs)
-                manifest["shards"] = sorted([sh for sh in manifest["shards"] if sh["file"] != name] + [entry],
-                                            key=lambda sh: sh["file"])
-                Path(out_dir, "manifest.json").write_text(json.dumps(manifest, indent=1))
+                record_shard(Path(out_dir), manifest, entry)
                 secs = entry["generate_s"]
             else:  # part of a shard: no states kept
                 seqs, masks, secs = answer_shard(job, shard, prompts, convs, False)
