@@ -158,6 +158,29 @@ def test_resume_is_exact(tmp_path, target, data):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_run_stopped_within_an_epoch_resumes_exactly(tmp_path, target, data, monkeypatch):
+    """checkpoint.pt is also written within an epoch (every --checkpoint-minutes; --stop-after-steps stops there):
+    a run resumed from such a checkpoint trains the weights of the uninterrupted run."""
+    from falcon_vllm.train import trainer
+
+    cfg = TrainConfig(str(tmp_path / "a"), k=2, epochs=2, batch_size=8, lr=1e-3, eval_every_epoch=False)
+    kw = dict(samples=data, target=target, log=lambda *a: None)
+    saves = []
+    real_save = trainer.save_checkpoint
+    monkeypatch.setattr(trainer, "save_checkpoint", lambda run: (saves.append(run.state["step"]), real_save(run)))
+    train(cfg, **kw)
+    per_epoch = saves[0]
+    assert per_epoch >= 3 and saves == [per_epoch, 2 * per_epoch]      # default 10 minutes: at the epochs' ends
+    saves.clear()
+    part = train(replace(cfg, out_dir=str(tmp_path / "b"), stop_after_steps=per_epoch + 1, checkpoint_minutes=0), **kw)
+    assert part["stopped"] and part["state"] == {"step": per_epoch + 1, "epoch": 1, "history": []}
+    assert saves == list(range(1, per_epoch + 2))                        # 0 minutes: after every step
+    train(replace(cfg, out_dir=str(tmp_path / "b")), **kw)             # resumes in the second epoch
+    a = FalconDrafter.from_pretrained(str(tmp_path / "a")).state_dict()
+    b = FalconDrafter.from_pretrained(str(tmp_path / "b")).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):
     res = train(TrainConfig(str(tmp_path / "d"), k=2, epochs=25, batch_size=8, lr=3e-3, eval_every_epoch=False,
                             tree="chain-4"), samples=data, target=target, log=lambda *a: None)

@@ -74,7 +74,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
                falcon_overrides: dict | None = None) -> dict:
     """gen-data + Falcon (CSGD) + EAGLE baseline for a known target, then what the Falcon drafter serves with;
     installs into falcon_vllm/drafters where the recipe does.  Every step resumes where it stopped (gen-data by
-    shard, training by epoch, a tree already fitted is kept).  ``falcon_overrides``: TrainConfig fields
+    shard, training from its checkpoint, a tree already fitted is kept).  ``falcon_overrides``: TrainConfig fields
     (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's."""
     from falcon_vllm.models import model_path
 

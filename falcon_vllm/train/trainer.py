@@ -47,7 +47,8 @@ from falcon_vllm.tree import build_tree
 
 
 def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, log=print) -> dict:
-    """Train a drafter into ``cfg.out_dir`` (``checkpoint.pt`` each epoch: resumable) on the conversations of
+    """Train a drafter into ``cfg.out_dir`` (``checkpoint.pt`` each epoch and every ``cfg.checkpoint_minutes``:
+    resumable) on the conversations of
     ``cfg.data_dir``, or on ``samples`` (then no teacher cache is written), distilled from ``target`` (default:
     loaded from ``cfg.target_dir``).  Under ``torchrun`` it runs data-parallel (DDP; NCCL on CUDA, gloo on
     CPU): each rank takes every world-th batch, rank 0 evaluates and writes.  Returns {"final", "history",
@@ -235,6 +236,7 @@ class Run:
     rng: random.Random
     gen: torch.Generator
     state: dict = field(default_factory=lambda: {"step": 0, "epoch": 0, "history": []})
+    saved_at: float = field(default_factory=time.time)  # when checkpoint.pt was last written (or the run began)
 
     @property
     def checkpoint(self) -> str:
@@ -264,7 +266,8 @@ def resume(run: Run, log) -> None:
 
 
 def run_epochs(run: Run, tree_obj, t0: float, log) -> bool:
-    """Train until the last step (True), or until ``cfg.stop_after_epochs`` epochs are done (False)."""
+    """Train until the last step (True), or until ``cfg.stop_after_epochs`` epochs or ``cfg.stop_after_steps``
+    steps are done (False: ``checkpoint.pt`` holds the run)."""
     from tqdm import tqdm
 
     cfg, state = run.cfg, run.state
@@ -273,47 +276,67 @@ def run_epochs(run: Run, tree_obj, t0: float, log) -> bool:
         if cfg.stop_after_epochs is not None and state["epoch"] >= cfg.stop_after_epochs:
             bar.close()
             return False
-        if train_epoch(run, bar):
+        ended = train_epoch(run, bar)
+        if ended == "stop":
+            bar.close()
+            return False
+        if ended == "epoch":
             end_epoch(run, tree_obj, t0, log)
     bar.close()
     return True
 
 
-def train_epoch(run: Run, bar) -> bool:
-    """The steps of the current epoch from where the run stands; False if the run's last step came first."""
+def train_epoch(run: Run, bar) -> str:
+    """The steps of the current epoch from where the run stands.  Returns "epoch" when it ran to the epoch's end,
+    "last" when the run's last step came first, "stop" at ``cfg.stop_after_steps`` (checkpoint written).  Within the
+    epoch ``checkpoint.pt`` is also written every ``cfg.checkpoint_minutes`` (one process only), so an interrupted
+    run loses at most that much."""
     cfg, state = run.cfg, run.state
     epoch = state["epoch"]
     batches = epoch_batches(run.train_set, cfg.batch_size, cfg.seed + epoch)[run.rank::run.world][:run.steps_per_epoch]
     for bi in range(state["step"] % run.steps_per_epoch, len(batches)):
         if state["step"] >= run.total:
-            return False
+            return "last"
         step_samples, trim = phase_batch([run.train_set[j] for j in batches[bi]], cfg, run.rng)
         batch = to_device(make_batch(step_samples, cfg.k, cfg.max_len, trim), run.device)
         out = train_step(run.drafter, run.net, run.opt, run.sched, batch, epoch, cfg, run.rng, run.gen)
         state["step"] += 1
         bar.update(1)
         bar.set_postfix(loss=f"{out['loss']:.3f}", acc=f"{out['acc']:.2f}")
-    return True
+        if cfg.stop_after_steps is not None and state["step"] >= cfg.stop_after_steps:
+            save_checkpoint(run)
+            return "stop"
+        if (run.world == 1 and bi + 1 < len(batches)
+                and time.time() - run.saved_at >= 60 * cfg.checkpoint_minutes):
+            save_checkpoint(run)
+    return "epoch"
 
 
 def end_epoch(run: Run, tree_obj, t0: float, log) -> None:
-    """After an epoch: rank 0 adds its held-out metrics to the history (``cfg.eval_every_epoch``) and writes
-    ``checkpoint.pt``; under torchrun every rank keeps its random streams and waits for the others."""
+    """After an epoch: rank 0 adds its held-out metrics to the history (``cfg.eval_every_epoch``), then the
+    checkpoint is written."""
     cfg, state = run.cfg, run.state
     state["epoch"] += 1
+    if run.rank == 0 and cfg.eval_every_epoch:
+        ev = evaluate(run.drafter, run.val_set, tree_obj, cfg.k, cfg.max_len, max(12, cfg.eval_roots // 5))
+        ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
+        state["history"].append(ev)
+        log(f"epoch {state['epoch']}: {json.dumps(ev)}")
+    save_checkpoint(run)
+
+
+def save_checkpoint(run: Run) -> None:
+    """Rank 0 writes ``checkpoint.pt`` (weights, optimiser, schedule, progress, its random streams) atomically; under
+    torchrun every rank keeps its random streams and waits for the others."""
     if run.rank == 0:
-        if cfg.eval_every_epoch:
-            ev = evaluate(run.drafter, run.val_set, tree_obj, cfg.k, cfg.max_len, max(12, cfg.eval_roots // 5))
-            ev.update(epoch=state["epoch"], step=state["step"], seconds=round(time.time() - t0, 1))
-            state["history"].append(ev)
-            log(f"epoch {state['epoch']}: {json.dumps(ev)}")
         torch.save({"model": run.drafter.state_dict(), "opt": run.opt.state_dict(), "sched": run.sched.state_dict(),
-                    "state": state, "world": run.world, "config": asdict(cfg), **random_state(run.rng, run.gen)},
-                   run.checkpoint + ".tmp")
+                    "state": run.state, "world": run.world, "config": asdict(run.cfg),
+                    **random_state(run.rng, run.gen)}, run.checkpoint + ".tmp")
         os.replace(run.checkpoint + ".tmp", run.checkpoint)
     if run.world > 1:
         torch.save(random_state(run.rng, run.gen), run.rng_file)
         torch.distributed.barrier()
+    run.saved_at = time.time()
 
 
 def save_drafter(run: Run, final: dict, init_record: dict | None) -> None:
