@@ -392,6 +392,37 @@ def test_teacher_cache_of_grown_data_reuses_its_first_conversations(tmp_path, ta
     assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:4]) == []  # not fewer than stored
 
 
+def test_an_interrupted_teacher_cache_build_resumes_where_it_stopped(tmp_path, target, data, monkeypatch):
+    """The build writes the cache so far every save_minutes (here after every block of 2 conversations, each partial
+    cache replacing the one before); killed in its third block, the next build computes only the last
+    conversation, its cache is the one built in one go, and the partial cache is gone."""
+    import falcon_vllm.train.data as trainer
+
+    head, real, computed = target.get_output_embeddings(), trainer.teacher_cache, []
+
+    def dies_in_third_block(samples, *a, **kw):
+        if len(computed) == 2:
+            raise KeyboardInterrupt
+        computed.append(len(samples))
+        return real(samples, *a, **kw)
+
+    monkeypatch.setattr(trainer, "teacher_cache", dies_in_third_block)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.cached_teacher(str(tmp_path), data[:5], head, 8, block=2, save_minutes=0)
+    def stored():
+        return sorted(n.split("_", 2)[2][:-len("_12345678.pt")] for n in os.listdir(tmp_path) if n.endswith(".pt"))
+
+    assert stored() == ["n4_partial"]                                    # n2_partial was replaced by n4_partial
+    monkeypatch.setattr(trainer, "teacher_cache", lambda samples, *a, **kw: (computed.append(len(samples)),
+                                                                             real(samples, *a, **kw))[1])
+    logs = []
+    cache = trainer.cached_teacher(str(tmp_path), data[:5], head, 8, logs.append, block=2, save_minutes=0)
+    assert computed == [2, 2, 1] and any("first 4 conversations" in m for m in logs)
+    assert stored() == ["n5"]                                            # the whole cache replaces the partial
+    whole = real(data[:5], head, 8)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(cache, whole) for n in x)
+
+
 def test_glancing_with_observed_subset(data):
     k = 2
     b = make_batch(data[:4], k, 64)

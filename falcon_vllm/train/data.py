@@ -9,6 +9,7 @@ mask; the held-out set is the last 1/16 of the data less the prompts a training 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -113,11 +114,7 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     rows = [s.loss_mask[1:].bool().nonzero().flatten() for s in samples]  # feature i predicts token i+1
     feats = torch.cat([s.hidden[r] for s, r in zip(samples, rows)]) if samples else torch.zeros(0, 1)
     parts = {"arg": [], "idx": [], "val": [], "lse": [], "lseT": []}
-    # minutes on a CPU for thousands of conversations: a bar over the chunks, quiet for small data
-    from tqdm import tqdm
-
-    for a in tqdm(range(0, feats.shape[0], chunk), desc="teacher cache", unit="chunk",
-                  disable=feats.shape[0] < 64 * chunk):
+    for a in range(0, feats.shape[0], chunk):
         lg = lm_head(feats[a:a + chunk].to(lm_head.weight.device).float()).float()
         v, i = lg.topk(topk, dim=-1)
         for n, t in (("arg", i[:, 0]), ("idx", i.int()), ("val", v), ("lse", lg.logsumexp(-1)),
@@ -142,13 +139,15 @@ def with_teacher(data_dir, data, lm_head, topk: int, log=print) -> list:
     return [s._replace(teacher=c) for s, c in zip(data, cached_teacher(data_dir, data, lm_head, topk, log))]
 
 
-def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
+def cached_teacher(data_dir, data, lm_head, topk: int, log=print, block: int = 512, save_minutes: float = 10.0):
     """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused.
 
     Runs that start side by side on the same data build it once: the first holds a lock on
     ``<cache>.lock`` while it builds, and the others wait for it and load what it wrote. A data set that
     gen-data has grown since (shards are only appended) reuses the cache of its first conversations and
-    computes the new ones' alone."""
+    computes the new ones' alone.  The build (over an hour on 2 CPU cores for a million answer tokens of
+    a 150k-token vocabulary) goes ``block`` conversations at a time and writes the cache so far every
+    ``save_minutes``, as the cache of the first conversations: an interrupted build resumes there."""
     if not data_dir:
         return teacher_cache(data, lm_head, topk)
     import fcntl
@@ -170,20 +169,55 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print):
             return torch.load(cpath, weights_only=False)
         t0 = time.time()
         cache = prefix_cache(where, head, tail, data, log)
-        cache += teacher_cache(data[len(cache):], lm_head, topk)
+        cache = extend_cache(cache, data, lm_head, topk, lambda m: os.path.join(where, f"{head}{m}_partial{tail}"),
+                             block, save_minutes)
         log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
-        tmp = f"{cpath}.{os.getpid()}.tmp"
-        torch.save(cache, tmp)
-        os.replace(tmp, cpath)
+        save_whole(cache, cpath)
+        for name in os.listdir(where):  # the partial caches of interrupted builds: this one holds them
+            if name.startswith(head) and name.endswith(f"_partial{tail}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(where, name))
         return cache
 
 
+def extend_cache(cache: list, data, lm_head, topk: int, path_of, block: int, save_minutes: float):
+    """``cache`` (of ``data``'s first conversations) extended over the rest of ``data``, ``block`` conversations at
+    a time under a bar of answer rows.  Every ``save_minutes`` the cache so far is written to ``path_of(m)`` (m
+    conversations: a partial cache, which ``prefix_cache`` finds), the one written before removed."""
+    from tqdm import tqdm
+
+    def rows(part):
+        return sum(int(s.loss_mask[1:].sum()) for s in part)
+
+    left = rows(data[len(cache):])
+    written, saved = None, time.time()
+    with tqdm(total=left, desc="teacher cache", unit="row", unit_scale=True, disable=left < 65536) as bar:
+        for a in range(len(cache), len(data), block):
+            cache += teacher_cache(data[a:a + block], lm_head, topk)
+            bar.update(rows(data[a:a + block]))
+            if len(cache) < len(data) and time.time() - saved >= 60 * save_minutes:
+                save_whole(cache, path_of(len(cache)))
+                if written:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(written)
+                written, saved = path_of(len(cache)), time.time()
+    return cache
+
+
+def save_whole(obj, path: str) -> None:
+    """torch.save through a temporary file and a rename: a reader sees the whole file or none."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def prefix_cache(directory: str, head: str, tail: str, data, log=print) -> list:
-    """The largest stored cache ``{head}{m}{tail}`` of fewer conversations than ``data`` that fits its first
-    ``m`` (one row per token of each), loaded; [] when there is none."""
+    """The largest stored cache ``{head}{m}{tail}`` (or an interrupted build's ``{head}{m}_partial{tail}``) of fewer
+    conversations than ``data`` that fits its first ``m`` (one row per token of each), loaded; [] when there is
+    none."""
     found = []
     for name in os.listdir(directory):
-        m = name[len(head):-len(tail)] if name.startswith(head) and name.endswith(tail) else ""
+        m = name[len(head):-len(tail)].removesuffix("_partial") if name.startswith(head) and name.endswith(tail) else ""
         if m.isdigit() and 0 < int(m) < len(data):
             found.append((int(m), name))
     for m, name in sorted(found, reverse=True):
