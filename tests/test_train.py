@@ -831,7 +831,8 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
 
 def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, monkeypatch):
     """The Qwen2.5-Coder-1.5B recipe (drafter v3): gen-data featurizes each answers set in the source tree
-    through vLLM and generates nothing (the growing set: every conversation its file holds); Falcon and EAGLE-1
+    through vLLM and generates nothing (the growing set: every conversation its file holds when the run begins, kept
+    for its resumption); Falcon and EAGLE-1
     train in the same two stages on the same data and head (the first set held out, the others extra); tune-tree
     fits serving.json once (a resumed run keeps it); nothing is installed (stubs: no real training)."""
     from falcon_vllm import models, tune_tree
@@ -880,6 +881,18 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     assert json.load(open(os.path.join(w, "recipe_log.json")))["drafters"][0] == os.path.join(w, "falcon-stage2")
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)  # resumed: the fitted trees are kept
     assert len(fits) == 1 and any("serving.json exists: kept" in m for m in logs)
+    # resumed after the growing set's file has grown: the same conversations as when the run began
+    assert json.load(open(os.path.join(w, "recipe_sets.json"))) == {"qwen15-sharegpt-from1296": grown}
+    real_meta = answers_meta
+    monkeypatch.setattr("falcon_vllm.train.answer_files.answers_meta",
+                        lambda f: {**real_meta(f), "conversations": grown + 64})
+    gens.clear()
+    trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    assert [a[2] for a, _ in gens] == [960, 918, grown]
+    assert any(f"the {grown} conversations this run began with" in m and f"holds {grown + 64} now" in m for m in logs)
+    os.makedirs(tmp_path / "w2" / "falcon-stage2")
+    trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
+    assert [a[2] for a, _ in gens][3:] == [960, 918, grown + 64]
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own

@@ -56,7 +56,7 @@ RECIPES = {
                  {"name": "qwen15-code", "answers": "qwen15-code.safetensors",
                   "questions": "qwen15-code-questions.json", "num_conversations": 918},
                  {"name": "qwen15-sharegpt-from1296", "answers": "qwen15-sharegpt-from1296.safetensors",
-                  "skip_conversations": 1296}],  # no count: every conversation the file holds when the run starts
+                  "skip_conversations": 1296}],  # no count: every conversation the file holds when the run first starts
         "epochs": 5, "batch_size": 8, "lr": 4e-4, "fusion": "fc", "k": 2, "tree": "falcon-llama",
         "falcon_block_order": "reversed", "draft_vocab": 16384, "eagle_tree": "eagle-small",
         "train": {"intermediate_size": 3584, "train_draft_head": False, "eval_every_epoch": False},
@@ -138,7 +138,7 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
     for s in sets:
         # the set's conversations as generated before (tokens only, in the source tree): featurized, not generated
         answers = os.path.join(here, s["answers"])
-        n = s.get("num_conversations") or int(answers_meta(answers)["conversations"])
+        n = s.get("num_conversations") or pinned_count(work, s["name"], answers, log)
         d = os.path.join(work, "data", s["name"]) if s["name"] else os.path.join(work, "data")
         gen_data.run(target_dir, d, n, r["max_new_tokens"], shard_size=r["shard_size"], backend=backend,
                      answers=answers if os.path.exists(answers) else None,
@@ -147,6 +147,26 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
         dirs.append(d)
         files.append(answers)
     return dirs[0], ",".join(dirs[1:]) or None, files[0]
+
+
+def pinned_count(work: str, name: str, answers: str, log) -> int:
+    """The conversations of a recipe set without a count: every one its answers file holds when the run first
+    starts, kept in ``<work>/recipe_sets.json``, so that the run resumed later (its stages take hours, and the
+    file may have grown since) trains both drafters on the same data."""
+    from falcon_vllm.train.answer_files import answers_meta
+
+    path, held = os.path.join(work, "recipe_sets.json"), int(answers_meta(answers)["conversations"])
+    pinned = json.load(open(path)) if os.path.exists(path) else {}
+    if name not in pinned:
+        pinned[name] = held
+        os.makedirs(work, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(pinned, f, indent=1)
+        os.replace(path + ".tmp", path)
+    elif held != pinned[name]:
+        log(f"{name}: the {pinned[name]} conversations this run began with ({path}); {os.path.basename(answers)} "
+            f"holds {held} now: a new --work trains on them")
+    return pinned[name]
 
 
 def fit_tree(r: dict, target_dir: str, drafter_dir: str, data: str, log) -> str:
