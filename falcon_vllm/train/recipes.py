@@ -125,8 +125,6 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
     1/16 held out), the others' (``--extra-data``, or None) and the first set's answers file (it may not exist)."""
     import importlib.util
 
-    from falcon_vllm.train.answer_files import answers_meta
-
     backend = r["backend"]
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
