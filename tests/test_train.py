@@ -846,6 +846,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
 
     def fit(args):
         fits.append(args)
+        seen.append("tune-tree")
         with open(args.out, "w") as f:
             f.write("{}")
 
@@ -854,6 +855,9 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     w = str(tmp_path / "w")
     os.makedirs(os.path.join(w, "falcon-stage2"))  # (training, stubbed here, makes it)
     out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    # the Falcon drafter is whole, its trees fitted, before the baseline trains
+    assert [c if c == "tune-tree" else c.mode for c in seen] == ["falcon", "falcon", "tune-tree", "eagle", "eagle"]
+    seen.remove("tune-tree")
     here = os.path.join(os.path.dirname(trainer.__file__), "answers")
     grown = int(answers_meta(os.path.join(here, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
     assert grown >= 2560

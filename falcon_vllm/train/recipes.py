@@ -93,14 +93,14 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     fal = train_stages(r, os.path.join(work, "falcon"), log, k=r["k"], fusion=r["fusion"], tree=r["tree"],
                        layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
                        **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}, **falcon_overrides)
-    eag = train_stages(r, os.path.join(work, "eagle"), log, mode="eagle", tree=r["eagle_tree"], **common)
     files = ["config.json", "model.safetensors"]
+    if "tune_tree" in r:  # before the baseline trains: the Falcon drafter is whole (and can be A/B'd) hours earlier
+        fit_tree(r, target_dir, fal["out"], data, log)
+        files.append("serving.json")
+    eag = train_stages(r, os.path.join(work, "eagle"), log, mode="eagle", tree=r["eagle_tree"], **common)
     if r.get("datastore", True):
         save_datastore(r, fal["out"], answers, data, work)
         files.append("datastore.npz")
-    if "tune_tree" in r:
-        fit_tree(r, target_dir, fal["out"], data, log)
-        files.append("serving.json")
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
            "eagle": eag["final"], "falcon_overrides": falcon_overrides,
            "total_seconds": round(time.time() - t0, 1), "drafters": [fal["out"], os.path.join(eag["out"], "vllm-eagle")]}
