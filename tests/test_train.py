@@ -176,9 +176,13 @@ def test_a_run_stopped_within_an_epoch_resumes_exactly(tmp_path, target, data, m
     assert part["stopped"] and part["state"] == {"step": per_epoch + 1, "epoch": 1, "history": []}
     assert saves == list(range(1, per_epoch + 2))                        # 0 minutes: after every step
     train(replace(cfg, out_dir=str(tmp_path / "b")), **kw)             # resumes in the second epoch
+    part = train(replace(cfg, out_dir=str(tmp_path / "c"), stop_after_steps=per_epoch), **kw)  # at an epoch's end
+    assert part["stopped"] and part["state"] == {"step": per_epoch, "epoch": 1, "history": []}
+    train(replace(cfg, out_dir=str(tmp_path / "c")), **kw)
     a = FalconDrafter.from_pretrained(str(tmp_path / "a")).state_dict()
-    b = FalconDrafter.from_pretrained(str(tmp_path / "b")).state_dict()
-    assert all(torch.equal(a[n], b[n]) for n in a)
+    for other in ("b", "c"):
+        b = FalconDrafter.from_pretrained(str(tmp_path / other)).state_dict()
+        assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_trained_drafter_reaches_high_acceptance(tmp_path, target, data):

@@ -48,11 +48,10 @@ from falcon_vllm.tree import build_tree
 
 def train(cfg: TrainConfig, samples: list[Sample] | None = None, target=None, log=print) -> dict:
     """Train a drafter into ``cfg.out_dir`` (``checkpoint.pt`` each epoch and every ``cfg.checkpoint_minutes``:
-    resumable) on the conversations of
-    ``cfg.data_dir``, or on ``samples`` (then no teacher cache is written), distilled from ``target`` (default:
-    loaded from ``cfg.target_dir``).  Under ``torchrun`` it runs data-parallel (DDP; NCCL on CUDA, gloo on
-    CPU): each rank takes every world-th batch, rank 0 evaluates and writes.  Returns {"final", "history",
-    "out", "drafter"} (rank 0; others: "final" None).
+    resumable) on the conversations of ``cfg.data_dir``, or on ``samples`` (then no teacher cache is written),
+    distilled from ``target`` (default: loaded from ``cfg.target_dir``).  Under ``torchrun`` it runs data-parallel
+    (DDP; NCCL on CUDA, gloo on CPU): each rank takes every world-th batch, rank 0 evaluates and writes.  Returns
+    {"final", "history", "out", "drafter"} (rank 0; others: "final" None).
 
     The drafter's attention runs without cuDNN's SDPA kernel, which builds an execution plan for every new
     batch shape: training batches come in as many shapes as there are conversation lengths (H100, bf16:
@@ -273,7 +272,8 @@ def run_epochs(run: Run, tree_obj, t0: float, log) -> bool:
     cfg, state = run.cfg, run.state
     bar = tqdm(total=run.total, initial=state["step"], desc=f"train {cfg.mode}", unit="step", disable=run.rank > 0)
     while state["step"] < run.total:
-        if cfg.stop_after_epochs is not None and state["epoch"] >= cfg.stop_after_epochs:
+        if ((cfg.stop_after_epochs is not None and state["epoch"] >= cfg.stop_after_epochs)
+                or (cfg.stop_after_steps is not None and state["step"] >= cfg.stop_after_steps)):
             bar.close()
             return False
         ended = train_epoch(run, bar)
@@ -303,11 +303,12 @@ def train_epoch(run: Run, bar) -> str:
         state["step"] += 1
         bar.update(1)
         bar.set_postfix(loss=f"{out['loss']:.3f}", acc=f"{out['acc']:.2f}")
+        if bi + 1 == len(batches):
+            break  # the epoch's last step: end_epoch writes the checkpoint (a resumed run starts the next epoch)
         if cfg.stop_after_steps is not None and state["step"] >= cfg.stop_after_steps:
             save_checkpoint(run)
             return "stop"
-        if (run.world == 1 and bi + 1 < len(batches)
-                and time.time() - run.saved_at >= 60 * cfg.checkpoint_minutes):
+        if run.world == 1 and time.time() - run.saved_at >= 60 * cfg.checkpoint_minutes:
             save_checkpoint(run)
     return "epoch"
 
