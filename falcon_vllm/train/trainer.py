@@ -38,7 +38,7 @@ from falcon_vllm.config import FalconConfig
 from falcon_vllm.drafter import FalconDrafter
 from falcon_vllm.train.config import TrainConfig
 from falcon_vllm.train.data import (check_aux, crop_context, epoch_batches, frequent_tokens, make_batch, outside_of,
-                                    phase_batch, split_held_out, to_device, with_teacher)
+                                    phase_batch, save_whole, split_held_out, to_device, with_teacher)
 from falcon_vllm.train.evaluation import evaluate
 from falcon_vllm.train.gen_data import Sample, load_shards
 from falcon_vllm.train.losses import (add_noise, apply_glance, forward, glance_positions, lam, level_weights, losses,
@@ -330,10 +330,9 @@ def save_checkpoint(run: Run) -> None:
     """Rank 0 writes ``checkpoint.pt`` (weights, optimiser, schedule, progress, its random streams) atomically; under
     torchrun every rank keeps its random streams and waits for the others."""
     if run.rank == 0:
-        torch.save({"model": run.drafter.state_dict(), "opt": run.opt.state_dict(), "sched": run.sched.state_dict(),
+        save_whole({"model": run.drafter.state_dict(), "opt": run.opt.state_dict(), "sched": run.sched.state_dict(),
                     "state": run.state, "world": run.world, "config": asdict(run.cfg),
-                    **random_state(run.rng, run.gen)}, run.checkpoint + ".tmp")
-        os.replace(run.checkpoint + ".tmp", run.checkpoint)
+                    **random_state(run.rng, run.gen)}, run.checkpoint)
     if run.world > 1:
         torch.save(random_state(run.rng, run.gen), run.rng_file)
         torch.distributed.barrier()
