@@ -843,9 +843,15 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     from falcon_vllm.train import gen_data, recipes as trainer
     from falcon_vllm.train.answer_files import answers_meta
 
-    gens, seen, fits, installed, logs = [], [], [], [], []
+    gens, seen, fits, installed, logs, pinned_first = [], [], [], [], [], []
+    w = str(tmp_path / "w")
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / f"target-{a[0] if a else 'default'}")
-    monkeypatch.setattr(gen_data, "run", lambda *a, **k: gens.append((a, k)))
+
+    def gen(*a, **k):
+        gens.append((a, k))
+        pinned_first.append(os.path.exists(os.path.join(w, "recipe_sets.json")))
+
+    monkeypatch.setattr(gen_data, "run", gen)
     monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
 
     def fit(args):
@@ -856,12 +862,12 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
 
     monkeypatch.setattr(tune_tree, "main", fit)
     monkeypatch.setattr(trainer, "install_drafter", lambda *a, **k: installed.append(a))
-    w = str(tmp_path / "w")
     os.makedirs(os.path.join(w, "falcon-stage2"))  # (training, stubbed here, makes it)
     out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     # the Falcon drafter is whole, its trees fitted, before the baseline trains
     assert [c if c == "tune-tree" else c.mode for c in seen] == ["falcon", "falcon", "tune-tree", "eagle", "eagle"]
     seen.remove("tune-tree")
+    assert pinned_first[0]  # the growing set's count is fixed before the first set starts
     here = os.path.join(os.path.dirname(trainer.__file__), "answers")
     grown = int(answers_meta(os.path.join(here, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
     assert grown >= 2560
@@ -892,8 +898,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     # resumed after the growing set's file has grown: the same conversations as when the run began
     assert json.load(open(os.path.join(w, "recipe_sets.json"))) == {"qwen15-sharegpt-from1296": grown}
     real_meta = answers_meta
-    monkeypatch.setattr("falcon_vllm.train.answer_files.answers_meta",
-                        lambda f: {**real_meta(f), "conversations": grown + 64})
+    monkeypatch.setattr(trainer, "answers_meta", lambda f: {**real_meta(f), "conversations": grown + 64})
     gens.clear()
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     assert [a[2] for a, _ in gens] == [960, 918, grown]
@@ -903,8 +908,78 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     assert [a[2] for a, _ in gens][3:] == [960, 918, grown + 64]
 
 
+def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
+    """`train --recipe NAME --work DIR --status` reads the run's files alone: each set's conversations featurized
+    (the growing set's count as its answers file holds it until the run fixes it), the time left at the rate of the
+    prefills so far, the teacher caches (whole or partial), each stage's epoch and step from its checkpoint, the
+    trees, and what the run resumes next."""
+    import torch
+
+    from falcon_vllm.cli import main as cli_main
+    from falcon_vllm.train import recipes
+    from falcon_vllm.train.answer_files import answers_meta
+
+    w = tmp_path / "w"
+
+    def shards(name, n, **extra):  # n shards of 64 conversations, 16,000 tokens, each prefilled in 320 s
+        d = w / "data" / name
+        d.mkdir(parents=True, exist_ok=True)
+        files = [f"shard_{i:05d}.safetensors" for i in range(n)]
+        for f in files:
+            (d / f).write_bytes(b"")
+        (d / "manifest.json").write_text(json.dumps({"shards": [
+            {"file": f, "conversations": 64, "tokens": 16000, "featurize_s": 320.0, "from_answers": True, **extra}
+            for f in files]}))
+
+    def status():
+        return recipes.recipe_status("qwen2.5-coder-1.5b", str(w))
+
+    lines = status()
+    grown = int(answers_meta(os.path.join(recipes.ANSWERS, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
+    assert lines[3] == (f"data qwen15-sharegpt-from1296: 0 of {grown} conversations featurized (0 of "
+                        f"{-(-grown // 64)} shards) (all its answers file holds now; fixed when the run starts)")
+    assert lines[-1] == "next: data (run the same train --recipe command to resume)"
+    shards("qwen15", 15)
+    shards("qwen15-code", 2)
+    shards("qwen15-sharegpt-from1296", 1, generate_s=900.0, from_answers=False)  # answered: not a prefill's rate
+    (w / "recipe_sets.json").write_text(json.dumps({"qwen15-sharegpt-from1296": 128}))
+    (w / "data" / "qwen15" / "teacher_top64_n960_0123abcd.pt").write_bytes(b"")
+    (w / "data" / "qwen15-code" / "teacher_top64_n512_partial_0123abcd.pt").write_bytes(b"")
+    lines = status()
+    # left: 790 code and 64 ShareGPT conversations of 250 tokens at 50 tokens/s
+    assert lines[1:6] == ["data qwen15: 960 of 960 conversations featurized (15 of 15 shards)",
+                          "data qwen15-code: 128 of 918 conversations featurized (2 of 15 shards)",
+                          "data qwen15-sharegpt-from1296: 64 of 128 conversations featurized (1 of 2 shards)",
+                          f"data: about {854 * 250 / 50 / 3600:.1f} h left at 50 tokens/s (the rate of the prefills so far)",
+                          "teacher cache (first set, 960 conversations): built"]
+    assert lines[6] == "teacher cache (other sets, 1046 conversations): 512 conversations so far (partial)"
+    for d in ("falcon", "falcon-stage2"):
+        (w / d).mkdir()
+    (w / "falcon" / "model.safetensors").write_bytes(b"")
+    torch.save({"state": {"epoch": 1, "step": 700, "history": []}, "total": 2100}, w / "falcon-stage2" / "checkpoint.pt")
+    lines = status()
+    assert lines[7] == "Falcon falcon: trained"
+    assert lines[8].startswith("Falcon falcon-stage2: epoch 1 of 3 done, step 700 of 2100 (checkpoint.pt written ")
+    assert lines[9:] == ["trees falcon-stage2/serving.json: not yet", "EAGLE-1 eagle: not started (5 epochs)",
+                         "EAGLE-1 eagle-stage2: not started (3 epochs)",
+                         "next: data (run the same train --recipe command to resume)"]
+    shards("qwen15-code", 15)
+    shards("qwen15-sharegpt-from1296", 2)
+    assert status()[-1] == "next: falcon-stage2 (run the same train --recipe command to resume)"
+    for d in ("falcon-stage2", "eagle", "eagle-stage2"):
+        (w / d).mkdir(exist_ok=True)
+        (w / d / "model.safetensors").write_bytes(b"")
+    (w / "falcon-stage2" / "serving.json").write_text("{}")
+    assert status()[-1] == "next: the last steps (run the same train --recipe command to finish)"
+    (w / "recipe_log.json").write_text("{}")
+    assert cli_main(["train", "--recipe", "qwen2.5-coder-1.5b", "--work", str(w), "--status"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "finished (recipe_log.json)"
+    with pytest.raises(SystemExit, match="--status applies to --recipe only"):
+        cli_main(["train", "--status"])
+
+
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own
-COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--threads"}
+COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--status", "--threads"}
 
 
 def _other_value(action) -> list[str]:

@@ -11,13 +11,16 @@ generated from :class:`falcon_vllm.train.config.TrainConfig`.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import time
 
 import torch
 
 from falcon_vllm.config import dir_name
 from falcon_vllm.train import gen_data
+from falcon_vllm.train.answer_files import answers_meta
 from falcon_vllm.train.config import TrainConfig, add_config_arguments, config_from_args
 from falcon_vllm.train.trainer import train
 
@@ -65,6 +68,8 @@ RECIPES = {
         "falcon_dir": "qwen2.5-coder-1.5b-instruct", "eagle_dir": "qwen2.5-coder-1.5b-instruct-eagle",
         "continue": [{"epochs": 3, "lr": 2e-4}]},
 }
+
+ANSWERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers")  # the stored answers files
 
 # the flags a recipe run takes from the command line for its Falcon stages (a variant of the recipe to compare)
 RECIPE_FALCON_FLAGS = ("glance", "block_phase")
@@ -130,13 +135,15 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
         backend = "hf"
     featurizer = r.get("featurizer", "hf") if backend == "vllm" else "hf"
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers")
+    here = ANSWERS
     sets = r.get("sets") or [{"name": "", "answers": r["answers"], "num_conversations": r["num_conversations"]}]
     dirs, files = [], []
-    for s in sets:
-        # the set's conversations as generated before (tokens only, in the source tree): featurized, not generated
+    # each set's conversations as generated before (tokens only, in the source tree): featurized, not generated;
+    # every count fixed before the first set starts (a growing file's as it is now)
+    counts = [s.get("num_conversations") or pinned_count(work, s["name"], os.path.join(here, s["answers"]), log)
+              for s in sets]
+    for s, n in zip(sets, counts):
         answers = os.path.join(here, s["answers"])
-        n = s.get("num_conversations") or pinned_count(work, s["name"], answers, log)
         d = os.path.join(work, "data", s["name"]) if s["name"] else os.path.join(work, "data")
         gen_data.run(target_dir, d, n, r["max_new_tokens"], shard_size=r["shard_size"], backend=backend,
                      answers=answers if os.path.exists(answers) else None,
@@ -151,8 +158,6 @@ def pinned_count(work: str, name: str, answers: str, log) -> int:
     """The conversations of a recipe set without a count: every one its answers file holds when the run first
     starts, kept in ``<work>/recipe_sets.json``, so that the run resumed later (its stages take hours, and the
     file may have grown since) trains both drafters on the same data."""
-    from falcon_vllm.train.answer_files import answers_meta
-
     path, held = os.path.join(work, "recipe_sets.json"), int(answers_meta(answers)["conversations"])
     pinned = json.load(open(path)) if os.path.exists(path) else {}
     if name not in pinned:
@@ -189,11 +194,17 @@ def train_stages(r: dict, out: str, log, **kw) -> dict:
     """Train recipe ``r``'s stages of one drafter (``TrainConfig`` fields ``kw``) into ``out``, ``out-stage2``, ..;
     each later stage continues the one before (new optimiser and schedule).  Returns the last stage's result."""
     res, prev = None, None
-    for i, stage in enumerate([{}] + r.get("continue", [])):
-        d = out if i == 0 else f"{out}-stage{i + 1}"
+    for (d, _), stage in zip(stages(r, out, kw["epochs"]), [{}] + r.get("continue", [])):
         res = train(TrainConfig(d, **{**kw, **stage, "init_from": prev}), log=log)
         prev = d
     return res
+
+
+def stages(r: dict, out: str, epochs: int) -> list[tuple[str, int]]:
+    """Recipe ``r``'s training stages of one drafter: each one's directory (``out``, ``out-stage2``, ..) and epochs
+    (``epochs`` for the first)."""
+    return [(out if i == 0 else f"{out}-stage{i + 1}", s.get("epochs", epochs))
+            for i, s in enumerate([{}] + r.get("continue", []))]
 
 
 def save_datastore(r: dict, drafter_dir: str, answers: str, data: str, work: str) -> None:
@@ -225,12 +236,103 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         json.dump(cfg, f, indent=2)
 
 
+CACHE = re.compile(r"teacher_top\d+_n(\d+)(_partial)?_[0-9a-f]+\.pt$")
+
+
+def recipe_status(name: str, work: str) -> list[str]:
+    """Lines that say where the recipe ``name``'s run in ``work`` stands, stage by stage, and which stage is next."""
+    r = RECIPES[name]
+    lines, todo = [f"recipe {name} in {work}"], []
+    sets = r.get("sets") or [{"name": "", "num_conversations": r["num_conversations"]}]
+    pinned = _json(os.path.join(work, "recipe_sets.json")) or {}
+    counts, rate_tokens, seconds, left_convs, per_conv = [], 0, 0.0, 0, []
+    for s in sets:
+        d = os.path.join(work, "data", s["name"])
+        n = s.get("num_conversations") or pinned.get(s["name"])
+        growing = n is None
+        if growing:  # its count is fixed when the run first starts: what its answers file holds now
+            n = int(answers_meta(os.path.join(ANSWERS, s["answers"]))["conversations"])
+        shards = (_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
+        shards = [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
+        have = sum(sh["conversations"] for sh in shards)
+        prefilled = [sh for sh in shards if sh.get("from_answers")]  # what is left is a prefill of stored answers
+        rate_tokens += sum(sh["tokens"] for sh in prefilled)
+        seconds += sum(sh.get("featurize_s", 0) for sh in prefilled)
+        per_conv += [sh["tokens"] / sh["conversations"] for sh in shards if sh["conversations"]]
+        counts.append(n)
+        left_convs += max(n - have, 0)
+        lines.append(f"data {s['name'] or '.'}: {have} of {n} conversations featurized "
+                     f"({len(shards)} of {math.ceil(n / r['shard_size'])} shards)"
+                     + (" (all its answers file holds now; fixed when the run starts)" if growing else ""))
+        if have < n:
+            todo.append("data")
+    if left_convs and seconds and per_conv:
+        rate = rate_tokens / seconds
+        hours = left_convs * sum(per_conv) / len(per_conv) / rate / 3600
+        lines.append(f"data: about {hours:.1f} h left at {rate:.0f} tokens/s (the rate of the prefills so far)")
+    lines += teacher_lines(work, sets, counts)
+    for drafter, label in (("falcon", "Falcon"), ("eagle", "EAGLE-1")):
+        for d, epochs in stages(r, os.path.join(work, drafter), r.get(f"{drafter}_epochs", r["epochs"])):
+            line, done = stage_line(d, epochs)
+            lines.append(f"{label} {os.path.basename(d)}: {line}")
+            if not done:
+                todo.append(os.path.basename(d))
+        if drafter == "falcon" and "tune_tree" in r:
+            fitted = os.path.exists(os.path.join(d, "serving.json"))
+            lines.append(f"trees {os.path.basename(d)}/serving.json: {'fitted' if fitted else 'not yet'}")
+            if not fitted:
+                todo.append("tune-tree")
+    finished = os.path.exists(os.path.join(work, "recipe_log.json"))
+    lines.append("finished (recipe_log.json)" if finished and not todo else
+                 f"next: {todo[0]} (run the same train --recipe command to resume)" if todo else
+                 "next: the last steps (run the same train --recipe command to finish)")
+    return lines
+
+
+def teacher_lines(work: str, sets: list, counts: list) -> list[str]:
+    """The teacher caches: one next to the first set (its conversations), one next to the second for the others."""
+    out = []
+    for label, s, want in [("first set", sets[0], counts[0])] + ([("other sets", sets[1], sum(counts[1:]))]
+                                                                  if len(sets) > 1 else []):
+        d = os.path.join(work, "data", s["name"])
+        found = [(int(m[1]), bool(m[2])) for f in (os.listdir(d) if os.path.isdir(d) else []) if (m := CACHE.match(f))]
+        partial = [m for m, p in found if p]
+        state = ("built" if (want, False) in found else f"{max(partial)} conversations so far (partial)" if partial
+                 else "not yet")
+        out.append(f"teacher cache ({label}, {want} conversations): {state}")
+    return out
+
+
+def stage_line(d: str, epochs: int) -> tuple[str, bool]:
+    """One training stage's state (trained, at a checkpoint's epoch and step, or not started) and whether it is done."""
+    if os.path.exists(os.path.join(d, "model.safetensors")):
+        return "trained", True
+    ck = os.path.join(d, "checkpoint.pt")
+    if not os.path.exists(ck):
+        return f"not started ({epochs} epochs)", False
+    c = torch.load(ck, map_location="cpu", weights_only=False, mmap=True)
+    st, total = c["state"], c.get("total")
+    age = (time.time() - os.path.getmtime(ck)) / 60
+    return (f"epoch {st['epoch']} of {epochs} done, step {st['step']}{f' of {total}' if total else ''} "
+            f"(checkpoint.pt written {age:.0f} min ago)"), False
+
+
+def _json(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def add_arguments(p):
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                    help="run a whole known recipe into --work (gen-data, the Falcon drafter and its EAGLE-1 baseline "
                         "on the same data; smollm2 installs both into falcon_vllm/drafters/, qwen2.5-coder-1.5b "
                         "fits the Falcon drafter's serving.json and installs nothing); resumable")
     p.add_argument("--work", default=".cache/drafter-run", help="working directory of --recipe")
+    p.add_argument("--status", action="store_true",
+                   help="with --recipe: say where the run in --work stands (data, teacher caches, each training "
+                        "stage, the trees) and what it resumes next; runs nothing")
     p.add_argument("--no-install", action="store_true",
                    help="with --recipe: leave the trained drafters in --work instead of installing them into "
                         "falcon_vllm/drafters/ (e.g. a variant of the recipe: --recipe smollm2 --glance none)")
@@ -247,7 +349,7 @@ def recipe_overrides(args) -> dict:
     p = argparse.ArgumentParser()
     add_arguments(p)
     defaults = vars(p.parse_args([]))
-    kept = ("work", "device", "threads", "no_install")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
+    kept = ("work", "device", "threads", "no_install", "status")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
     given = getattr(args, "given", None)
     given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept and k != "recipe"
              and (k in given if given is not None else v != defaults[k])}
@@ -266,6 +368,11 @@ def main(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.status and not args.recipe:
+        raise SystemExit("falcon-vllm: train: --status applies to --recipe only")
+    if args.status:
+        print("\n".join(recipe_status(args.recipe, args.work)))
+        return 0
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.work, install=not args.no_install, device=args.device,
                                     falcon_overrides=recipe_overrides(args)), indent=1))

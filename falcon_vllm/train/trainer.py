@@ -331,7 +331,7 @@ def save_checkpoint(run: Run) -> None:
     torchrun every rank keeps its random streams and waits for the others."""
     if run.rank == 0:
         save_whole({"model": run.drafter.state_dict(), "opt": run.opt.state_dict(), "sched": run.sched.state_dict(),
-                    "state": run.state, "world": run.world, "config": asdict(run.cfg),
+                    "state": run.state, "world": run.world, "total": run.total, "config": asdict(run.cfg),
                     **random_state(run.rng, run.gen)}, run.checkpoint)
     if run.world > 1:
         torch.save(random_state(run.rng, run.gen), run.rng_file)
