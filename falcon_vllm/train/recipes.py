@@ -317,11 +317,18 @@ def stage_line(d: str, epochs: int) -> tuple[str, bool]:
             f"(checkpoint.pt written {age:.0f} min ago)"), False
 
 
-def _json(path: str):
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def _json(path: str, tries: int = 5):
+    """The JSON file at ``path`` (None if there is none), read again while a running recipe is rewriting it."""
+    for i in range(tries):
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except json.JSONDecodeError:
+            if i == tries - 1:
+                raise
+            time.sleep(0.2)
 
 
 def add_arguments(p):
