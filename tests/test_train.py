@@ -911,7 +911,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
 def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     """`train --recipe NAME --work DIR --status` reads the run's files alone: each set's conversations featurized
     (the growing set's count as its answers file holds it until the run fixes it), the time left at the rate of the
-    prefills so far, the teacher caches (whole or partial), each stage's epoch and step from its checkpoint, the
+    last prefills, the teacher caches (whole or partial), each stage's epoch and step from its checkpoint, the
     trees, and what the run resumes next."""
     import torch
 
@@ -921,14 +921,15 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
 
     w = tmp_path / "w"
 
-    def shards(name, n, **extra):  # n shards of 64 conversations, 16,000 tokens, each prefilled in 320 s
+    def shards(name, n, seconds=320.0, written=0, **extra):  # n shards of 64 conversations, 16,000 tokens
         d = w / "data" / name
         d.mkdir(parents=True, exist_ok=True)
         files = [f"shard_{i:05d}.safetensors" for i in range(n)]
-        for f in files:
+        for i, f in enumerate(files):
             (d / f).write_bytes(b"")
+            os.utime(d / f, (written + i, written + i))
         (d / "manifest.json").write_text(json.dumps({"shards": [
-            {"file": f, "conversations": 64, "tokens": 16000, "featurize_s": 320.0, "from_answers": True, **extra}
+            {"file": f, "conversations": 64, "tokens": 16000, "featurize_s": seconds, "from_answers": True, **extra}
             for f in files]}))
 
     def status():
@@ -939,18 +940,19 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     assert lines[3] == (f"data qwen15-sharegpt-from1296: 0 of {grown} conversations featurized (0 of "
                         f"{-(-grown // 64)} shards) (all its answers file holds now; fixed when the run starts)")
     assert lines[-1] == "next: data (run the same train --recipe command to resume)"
-    shards("qwen15", 15)
-    shards("qwen15-code", 2)
+    shards("qwen15", 15, written=1000)  # prefilled at 50 tokens/s
+    shards("qwen15-code", 2, seconds=640.0, written=2000)  # the last two at 25
     shards("qwen15-sharegpt-from1296", 1, generate_s=900.0, from_answers=False)  # answered: not a prefill's rate
     (w / "recipe_sets.json").write_text(json.dumps({"qwen15-sharegpt-from1296": 128}))
     (w / "data" / "qwen15" / "teacher_top64_n960_0123abcd.pt").write_bytes(b"")
     (w / "data" / "qwen15-code" / "teacher_top64_n512_partial_0123abcd.pt").write_bytes(b"")
     lines = status()
-    # left: 790 code and 64 ShareGPT conversations of 250 tokens at 50 tokens/s
+    # left: 790 code and 64 ShareGPT conversations of 250 tokens, at the rate of the last 4 prefilled shards
     assert lines[1:6] == ["data qwen15: 960 of 960 conversations featurized (15 of 15 shards)",
                           "data qwen15-code: 128 of 918 conversations featurized (2 of 15 shards)",
                           "data qwen15-sharegpt-from1296: 64 of 128 conversations featurized (1 of 2 shards)",
-                          f"data: about {854 * 250 / 50 / 3600:.1f} h left at 50 tokens/s (the rate of the prefills so far)",
+                          f"data: about {854 * 250 / (64000 / 1920) / 3600:.1f} h left at 33 tokens/s (the last 4 prefilled "
+                          "shards; 45 over all 17)",
                           "teacher cache (first set, 960 conversations): built"]
     assert lines[6] == "teacher cache (other sets, 1046 conversations): 512 conversations so far (partial)"
     for d in ("falcon", "falcon-stage2"):

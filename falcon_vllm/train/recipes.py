@@ -245,7 +245,7 @@ def recipe_status(name: str, work: str) -> list[str]:
     lines, todo = [f"recipe {name} in {work}"], []
     sets = r.get("sets") or [{"name": "", "num_conversations": r["num_conversations"]}]
     pinned = _json(os.path.join(work, "recipe_sets.json")) or {}
-    counts, rate_tokens, seconds, left_convs, per_conv = [], 0, 0.0, 0, []
+    counts, prefills, left_convs, per_conv = [], [], 0, []
     for s in sets:
         d = os.path.join(work, "data", s["name"])
         n = s.get("num_conversations") or pinned.get(s["name"])
@@ -255,9 +255,9 @@ def recipe_status(name: str, work: str) -> list[str]:
         shards = (_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
         shards = [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
         have = sum(sh["conversations"] for sh in shards)
-        prefilled = [sh for sh in shards if sh.get("from_answers")]  # what is left is a prefill of stored answers
-        rate_tokens += sum(sh["tokens"] for sh in prefilled)
-        seconds += sum(sh.get("featurize_s", 0) for sh in prefilled)
+        # what is left is a prefill of stored answers: its rate, from the shards written so (by when written)
+        prefills += [(os.path.getmtime(os.path.join(d, sh["file"])), sh["tokens"], sh.get("featurize_s", 0))
+                     for sh in shards if sh.get("from_answers")]
         per_conv += [sh["tokens"] / sh["conversations"] for sh in shards if sh["conversations"]]
         counts.append(n)
         left_convs += max(n - have, 0)
@@ -266,10 +266,14 @@ def recipe_status(name: str, work: str) -> list[str]:
                      + (" (all its answers file holds now; fixed when the run starts)" if growing else ""))
         if have < n:
             todo.append("data")
-    if left_convs and seconds and per_conv:
-        rate = rate_tokens / seconds
-        hours = left_convs * sum(per_conv) / len(per_conv) / rate / 3600
-        lines.append(f"data: about {hours:.1f} h left at {rate:.0f} tokens/s (the rate of the prefills so far)")
+    if left_convs and per_conv and sum(p[2] for p in prefills):
+        def rate(part):
+            return sum(p[1] for p in part) / sum(p[2] for p in part)
+
+        recent = sorted(prefills)[-4:]  # the CPU's rate now (a shard that ran beside other work was slower)
+        hours = left_convs * sum(per_conv) / len(per_conv) / rate(recent) / 3600
+        lines.append(f"data: about {hours:.1f} h left at {rate(recent):.0f} tokens/s (the last {len(recent)} "
+                     f"prefilled shards; {rate(prefills):.0f} over all {len(prefills)})")
     lines += teacher_lines(work, sets, counts)
     for drafter, label in (("falcon", "Falcon"), ("eagle", "EAGLE-1")):
         for d, epochs in stages(r, os.path.join(work, drafter), r.get(f"{drafter}_epochs", r["epochs"])):
