@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import time
 
 import torch
@@ -146,6 +147,10 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
         out.append(c)
         o += m
     return out
+
+
+# the files cached_teacher writes: teacher_top{topk}_n{conversations}[_partial]_{tag of the data directories}.pt
+TEACHER_CACHE = re.compile(r"teacher_top\d+_n(\d+)(_partial)?_[0-9a-f]+\.pt$")
 
 
 def with_teacher(data_dir, data, lm_head, topk: int, log=print) -> list:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 
 import torch
@@ -22,6 +21,7 @@ from falcon_vllm.config import dir_name
 from falcon_vllm.train import gen_data
 from falcon_vllm.train.answer_files import answers_meta
 from falcon_vllm.train.config import TrainConfig, add_config_arguments, config_from_args
+from falcon_vllm.train.data import TEACHER_CACHE
 from falcon_vllm.train.trainer import train
 
 RECIPES = {
@@ -135,23 +135,33 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
         backend = "hf"
     featurizer = r.get("featurizer", "hf") if backend == "vllm" else "hf"
-    here = ANSWERS
-    sets = r.get("sets") or [{"name": "", "answers": r["answers"], "num_conversations": r["num_conversations"]}]
+    sets = recipe_sets(r)
     dirs, files = [], []
     # each set's conversations as generated before (tokens only, in the source tree): featurized, not generated;
     # every count fixed before the first set starts (a growing file's as it is now)
-    counts = [s.get("num_conversations") or pinned_count(work, s["name"], os.path.join(here, s["answers"]), log)
+    counts = [s.get("num_conversations") or pinned_count(work, s["name"], os.path.join(ANSWERS, s["answers"]), log)
               for s in sets]
     for s, n in zip(sets, counts):
-        answers = os.path.join(here, s["answers"])
-        d = os.path.join(work, "data", s["name"]) if s["name"] else os.path.join(work, "data")
+        answers = os.path.join(ANSWERS, s["answers"])
+        d = set_dir(work, s)
         gen_data.run(target_dir, d, n, r["max_new_tokens"], shard_size=r["shard_size"], backend=backend,
                      answers=answers if os.path.exists(answers) else None,
-                     data=os.path.join(here, s["questions"]) if "questions" in s else None,
+                     data=os.path.join(ANSWERS, s["questions"]) if "questions" in s else None,
                      skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer)
         dirs.append(d)
         files.append(answers)
     return dirs[0], ",".join(dirs[1:]) or None, files[0]
+
+
+def recipe_sets(r: dict) -> list[dict]:
+    """Recipe ``r``'s data sets (``name``, ``answers`` file, ``num_conversations`` where fixed, ...); a recipe of one
+    set names it by its top-level keys."""
+    return r.get("sets") or [{"name": "", "answers": r["answers"], "num_conversations": r["num_conversations"]}]
+
+
+def set_dir(work: str, s: dict) -> str:
+    """Where a recipe run in ``work`` writes set ``s``'s gen-data directory."""
+    return os.path.join(work, "data", s["name"]) if s["name"] else os.path.join(work, "data")
 
 
 def pinned_count(work: str, name: str, answers: str, log) -> int:
@@ -194,17 +204,16 @@ def train_stages(r: dict, out: str, log, **kw) -> dict:
     """Train recipe ``r``'s stages of one drafter (``TrainConfig`` fields ``kw``) into ``out``, ``out-stage2``, ..;
     each later stage continues the one before (new optimiser and schedule).  Returns the last stage's result."""
     res, prev = None, None
-    for (d, _), stage in zip(stages(r, out, kw["epochs"]), [{}] + r.get("continue", [])):
+    for d, stage in stages(r, out):
         res = train(TrainConfig(d, **{**kw, **stage, "init_from": prev}), log=log)
         prev = d
     return res
 
 
-def stages(r: dict, out: str, epochs: int) -> list[tuple[str, int]]:
-    """Recipe ``r``'s training stages of one drafter: each one's directory (``out``, ``out-stage2``, ..) and epochs
-    (``epochs`` for the first)."""
-    return [(out if i == 0 else f"{out}-stage{i + 1}", s.get("epochs", epochs))
-            for i, s in enumerate([{}] + r.get("continue", []))]
+def stages(r: dict, out: str) -> list[tuple[str, dict]]:
+    """Recipe ``r``'s training stages of one drafter: each one's directory (``out``, ``out-stage2``, ..) and the
+    settings it changes from the first (none for the first)."""
+    return [(out if i == 0 else f"{out}-stage{i + 1}", s) for i, s in enumerate([{}] + r.get("continue", []))]
 
 
 def save_datastore(r: dict, drafter_dir: str, answers: str, data: str, work: str) -> None:
@@ -236,18 +245,15 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         json.dump(cfg, f, indent=2)
 
 
-CACHE = re.compile(r"teacher_top\d+_n(\d+)(_partial)?_[0-9a-f]+\.pt$")
-
-
 def recipe_status(name: str, work: str) -> list[str]:
     """Lines that say where the recipe ``name``'s run in ``work`` stands, stage by stage, and which stage is next."""
     r = RECIPES[name]
     lines, todo = [f"recipe {name} in {work}"], []
-    sets = r.get("sets") or [{"name": "", "num_conversations": r["num_conversations"]}]
+    sets = recipe_sets(r)
     pinned = _json(os.path.join(work, "recipe_sets.json")) or {}
     counts, prefills, left_convs, per_conv = [], [], 0, []
     for s in sets:
-        d = os.path.join(work, "data", s["name"])
+        d = set_dir(work, s)
         n = s.get("num_conversations") or pinned.get(s["name"])
         growing = n is None
         if growing:  # its count is fixed when the run first starts: what its answers file holds now
@@ -276,8 +282,8 @@ def recipe_status(name: str, work: str) -> list[str]:
                      f"prefilled shards; {rate(prefills):.0f} over all {len(prefills)})")
     lines += teacher_lines(work, sets, counts)
     for drafter, label in (("falcon", "Falcon"), ("eagle", "EAGLE-1")):
-        for d, epochs in stages(r, os.path.join(work, drafter), r.get(f"{drafter}_epochs", r["epochs"])):
-            line, done = stage_line(d, epochs)
+        for d, stage in stages(r, os.path.join(work, drafter)):
+            line, done = stage_line(d, stage.get("epochs", r.get(f"{drafter}_epochs", r["epochs"])))
             lines.append(f"{label} {os.path.basename(d)}: {line}")
             if not done:
                 todo.append(os.path.basename(d))
@@ -298,8 +304,9 @@ def teacher_lines(work: str, sets: list, counts: list) -> list[str]:
     out = []
     for label, s, want in [("first set", sets[0], counts[0])] + ([("other sets", sets[1], sum(counts[1:]))]
                                                                   if len(sets) > 1 else []):
-        d = os.path.join(work, "data", s["name"])
-        found = [(int(m[1]), bool(m[2])) for f in (os.listdir(d) if os.path.isdir(d) else []) if (m := CACHE.match(f))]
+        d = set_dir(work, s)
+        found = [(int(m[1]), bool(m[2])) for f in (os.listdir(d) if os.path.isdir(d) else [])
+                 if (m := TEACHER_CACHE.match(f))]
         partial = [m for m, p in found if p]
         state = ("built" if (want, False) in found else f"{max(partial)} conversations so far (partial)" if partial
                  else "not yet")
