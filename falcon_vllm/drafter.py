@@ -393,11 +393,12 @@ class FalconDrafter(nn.Module):
 
 
 HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")  # the head; tied: the embedding
+EMBED_KEYS = HEAD_KEYS[1:]  # the input embedding
 
 
-def target_head_rows(target_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the target's LM head, read from its safetensors files (a target with tied embeddings stores
-    no head: its embedding's rows).  A frozen-head drafter's head (``frozen_head``) is made of them at load."""
+def target_tensor(target_dir: str, keys: tuple[str, ...]) -> tuple[str, torch.Tensor]:
+    """The first of ``keys`` that the target's safetensors files hold (one file or shards), and that tensor: one
+    tensor read, not the whole model."""
     import glob
 
     from safetensors import safe_open
@@ -405,14 +406,23 @@ def target_head_rows(target_dir: str, ids: torch.Tensor) -> torch.Tensor:
     where = {}
     for path in sorted(glob.glob(os.path.join(target_dir, "*.safetensors"))):
         with safe_open(path, "pt") as f:
-            for key in set(HEAD_KEYS) & set(f.keys()):
+            for key in set(keys) & set(f.keys()):
                 where.setdefault(key, path)
-    key = next((k for k in HEAD_KEYS if k in where), None)
+    key = next((k for k in keys if k in where), None)
     if key is None:
-        raise ValueError(f"falcon-vllm: the drafter's head is the target's LM-head rows (frozen_head), but "
-                         f"{target_dir} holds no safetensors file with {' or '.join(HEAD_KEYS)}")
+        raise ValueError(f"falcon-vllm: {target_dir} holds no safetensors file with {' or '.join(keys)}")
     with safe_open(where[key], "pt") as f:
-        weight = f.get_tensor(key)
+        return key, f.get_tensor(key)
+
+
+def target_head_rows(target_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the target's LM head, read from its safetensors files (a target with tied embeddings stores
+    no head: its embedding's rows).  A frozen-head drafter's head (``frozen_head``) is made of them at load."""
+    try:
+        key, weight = target_tensor(target_dir, HEAD_KEYS)
+    except ValueError as e:
+        raise ValueError(f"falcon-vllm: the drafter's head is the target's LM-head rows (frozen_head), but {e}") \
+            from None
     if int(ids.max()) >= weight.shape[0]:
         raise ValueError(f"falcon-vllm: the drafter's d2t map names token {int(ids.max())}, past the target's "
                          f"{weight.shape[0]}-row {key}")

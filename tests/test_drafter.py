@@ -278,3 +278,26 @@ def test_config_validation():
     with pytest.raises(ValueError, match="k \\(tokens per drafter pass\\)"):
         FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
                      vocab_size=10, k=0)
+
+
+def test_target_tensors_are_read_from_sharded_or_tied_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    from falcon_vllm.drafter import EMBED_KEYS, target_head_rows, target_tensor
+
+    emb, head = torch.randn(10, 4), torch.randn(10, 4)
+    sharded, tied = tmp_path / "sharded", tmp_path / "tied"
+    sharded.mkdir(), tied.mkdir()
+    save_file({"model.embed_tokens.weight": emb}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"lm_head.weight": head, "model.norm.weight": torch.ones(4)},
+              str(sharded / "model-00002-of-00002.safetensors"))
+    save_file({"model.embed_tokens.weight": emb}, str(tied / "model.safetensors"))
+    ids = torch.tensor([7, 0, 3])
+    assert target_tensor(str(sharded), EMBED_KEYS)[0] == "model.embed_tokens.weight"
+    assert torch.equal(target_tensor(str(sharded), EMBED_KEYS)[1], emb)
+    assert torch.equal(target_head_rows(str(sharded), ids), head[ids])  # the head, not the embedding
+    assert torch.equal(target_head_rows(str(tied), ids), emb[ids])  # tied: the embedding's rows
+    with pytest.raises(ValueError, match="past the target's 10-row"):
+        target_head_rows(str(tied), torch.tensor([10]))
+    with pytest.raises(ValueError, match="frozen_head.*holds no safetensors file with lm_head.weight"):
+        target_head_rows(str(tmp_path), ids)

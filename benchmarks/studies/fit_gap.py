@@ -39,13 +39,13 @@ SET = re.compile(r"^([^=]+)=(.+):(heldout|train\[(-?\d*):(-?\d*)\]|\[(-?\d*):(-?
 
 def target_head(target_dir: str):
     """The target's config, input embedding and LM head, read from its safetensors alone (not the whole model)."""
-    from safetensors import safe_open
     from transformers import AutoConfig
 
+    from falcon_vllm.drafter import EMBED_KEYS, HEAD_KEYS, target_tensor
+
     cfg = AutoConfig.from_pretrained(target_dir)
-    with safe_open(os.path.join(target_dir, "model.safetensors"), "pt") as f:
-        emb = f.get_tensor("model.embed_tokens.weight").float()
-        head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else emb
+    emb = target_tensor(target_dir, EMBED_KEYS)[1].float()
+    head = target_tensor(target_dir, HEAD_KEYS)[1].float()  # tied: the embedding
     lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False)
     lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     return cfg, torch.nn.Embedding.from_pretrained(emb), lm_head
