@@ -139,7 +139,7 @@ def test_one_step_lowers_loss(target, data):
     l0.backward()
     opt.step()
     l1, _ = losses(d, forward(d, b["ids_in"], b["feat_in"], b), b, b["loss"], 0.1, 0.9)
-    assert float(l1) < float(l0)
+    assert float(l1.detach()) < float(l0.detach())
 
 
 def test_resume_is_exact(tmp_path, target, data):
@@ -175,7 +175,12 @@ def test_a_run_stopped_within_an_epoch_resumes_exactly(tmp_path, target, data, m
     part = train(replace(cfg, out_dir=str(tmp_path / "b"), stop_after_steps=per_epoch + 1, checkpoint_minutes=0), **kw)
     assert part["stopped"] and part["state"] == {"step": per_epoch + 1, "epoch": 1, "history": []}
     assert saves == list(range(1, per_epoch + 2))                        # 0 minutes: after every step
+    ck = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert ck["timed_steps"] == per_epoch + 1 and ck["seconds"] > 0      # recipe --status's time left
+    first = ck["seconds"]
     train(replace(cfg, out_dir=str(tmp_path / "b")), **kw)             # resumes in the second epoch
+    ck = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert ck["timed_steps"] == 2 * per_epoch and ck["seconds"] > first  # both processes' steps, counted once
     part = train(replace(cfg, out_dir=str(tmp_path / "c"), stop_after_steps=per_epoch), **kw)  # at an epoch's end
     assert part["stopped"] and part["state"] == {"step": per_epoch, "epoch": 1, "history": []}
     train(replace(cfg, out_dir=str(tmp_path / "c")), **kw)
@@ -962,6 +967,11 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     lines = status()
     assert lines[7] == "Falcon falcon: trained"
     assert lines[8].startswith("Falcon falcon-stage2: epoch 1 of 3 done, step 700 of 2100 (checkpoint.pt written ")
+    assert lines[8].endswith(" min ago)")  # an older checkpoint, without the steps' time: no time left
+    torch.save({"state": {"epoch": 1, "step": 700, "history": []}, "total": 2100, "seconds": 1200.0,
+                "timed_steps": 300}, w / "falcon-stage2" / "checkpoint.pt")  # 4 s a step over the steps timed
+    lines = status()
+    assert lines[8].endswith(" min ago; about 1.6 h left at 4.0 s a step)")  # 1,400 steps left
     assert lines[9:] == ["trees falcon-stage2/serving.json: not yet", "EAGLE-1 eagle: not started (5 epochs)",
                          "EAGLE-1 eagle-stage2: not started (3 epochs)",
                          "next: data (run the same train --recipe command to resume)"]

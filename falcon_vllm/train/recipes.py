@@ -322,10 +322,14 @@ def stage_line(d: str, epochs: int) -> tuple[str, bool]:
     if not os.path.exists(ck):
         return f"not started ({epochs} epochs)", False
     c = torch.load(ck, map_location="cpu", weights_only=False, mmap=True)
-    st, total = c["state"], c.get("total")
+    st, total, timed = c["state"], c.get("total"), c.get("timed_steps")
     age = (time.time() - os.path.getmtime(ck)) / 60
+    left = ""
+    if total and timed:  # checkpoints written before the trainer timed its steps say nothing of the time left
+        rate = c["seconds"] / timed
+        left = f"; about {(total - st['step']) * rate / 3600:.1f} h left at {rate:.1f} s a step"
     return (f"epoch {st['epoch']} of {epochs} done, step {st['step']}{f' of {total}' if total else ''} "
-            f"(checkpoint.pt written {age:.0f} min ago)"), False
+            f"(checkpoint.pt written {age:.0f} min ago{left})"), False
 
 
 def _json(path: str, tries: int = 5):

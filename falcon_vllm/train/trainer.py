@@ -236,6 +236,9 @@ class Run:
     gen: torch.Generator
     state: dict = field(default_factory=lambda: {"step": 0, "epoch": 0, "history": []})
     saved_at: float = field(default_factory=time.time)  # when checkpoint.pt was last written (or the run began)
+    saved_step: int = 0  # the step it was written at
+    seconds: float = 0.0  # the run's seconds (every process it ran in) up to that checkpoint
+    timed_steps: int = 0  # and the steps they made: checkpoint.pt keeps both (a stage's time left: recipe --status)
 
     @property
     def checkpoint(self) -> str:
@@ -261,6 +264,8 @@ def resume(run: Run, log) -> None:
     run.rng.setstate(r["rng_py"])
     run.gen.set_state(r["rng_gen"])
     torch.set_rng_state(r["rng_torch"])
+    run.seconds, run.timed_steps = c.get("seconds", 0.0), c.get("timed_steps", 0)
+    run.saved_at, run.saved_step = time.time(), run.state["step"]
     log(f"resumed at step {run.state['step']}")
 
 
@@ -329,14 +334,17 @@ def end_epoch(run: Run, tree_obj, t0: float, log) -> None:
 def save_checkpoint(run: Run) -> None:
     """Rank 0 writes ``checkpoint.pt`` (weights, optimiser, schedule, progress, its random streams) atomically; under
     torchrun every rank keeps its random streams and waits for the others."""
+    run.seconds += time.time() - run.saved_at
+    run.timed_steps += run.state["step"] - run.saved_step
     if run.rank == 0:
         save_whole({"model": run.drafter.state_dict(), "opt": run.opt.state_dict(), "sched": run.sched.state_dict(),
                     "state": run.state, "world": run.world, "total": run.total, "config": asdict(run.cfg),
+                    "seconds": round(run.seconds, 1), "timed_steps": run.timed_steps,
                     **random_state(run.rng, run.gen)}, run.checkpoint)
     if run.world > 1:
         torch.save(random_state(run.rng, run.gen), run.rng_file)
         torch.distributed.barrier()
-    run.saved_at = time.time()
+    run.saved_at, run.saved_step = time.time(), run.state["step"]
 
 
 def save_drafter(run: Run, final: dict, init_record: dict | None) -> None:
