@@ -323,7 +323,7 @@ def test_cached_teacher_matches_full_teacher(target, data):
     pred = forward(d, plain["ids_in"], plain["feat_in"], plain)
     l0, p0 = losses(d, pred, plain, plain["loss"], 0.1, 0.9)
     l1, p1 = losses(d, pred, cached, cached["loss"], 0.1, 0.9)
-    assert abs(p0["soft"] - p1["soft"]) < 1e-4 and abs(p0["ce"] - p1["ce"]) < 1e-4 and abs(float(l0 - l1)) < 1e-4
+    assert abs(p0["soft"] - p1["soft"]) < 1e-4 and abs(p0["ce"] - p1["ce"]) < 1e-4 and abs(float((l0 - l1).detach())) < 1e-4
     # chunks of rows across conversations (a chunk boundary inside a conversation) give the same cache
     small = teacher_cache(data[:4], target.get_output_embeddings(), topk=64, chunk=7)
     assert all(torch.allclose(a[n].float(), b[n].float(), atol=1e-5) for a, b in zip(cache, small) for n in a)
@@ -822,6 +822,9 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
         cli_main(["train", "--recipe", "smollm2", "--glance", "none", "--lr", "1e-3", "--max-conversations", "10"])
     with pytest.raises(SystemExit, match="--no-install applies to --recipe only"):
         cli_main(["train", "--data", "d", "--out", "o", "--no-install"])
+    with pytest.raises(SystemExit, match="--no-baseline applies to --recipe only"):
+        cli_main(["train", "--data", "d", "--out", "o", "--no-baseline"])
+    assert trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--no-baseline"])) == {}
 
     seen, installed = [], []
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")
@@ -836,6 +839,12 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
     assert [(c.mode, c.glance, c.block_phase) for c in seen] == [("falcon", "none", "random")] * 5 + [
         ("eagle", "uniform", "fixed")] * 5
     assert installed == [] and "installed" not in out and out["falcon_overrides"] == over
+    # --no-baseline: the Falcon drafter alone, installed alone
+    seen.clear()
+    out = trainer.run_recipe("smollm2", str(tmp_path / "nb"), baseline=False, log=lambda *a: None)
+    assert [c.mode for c in seen] == ["falcon"] * 5 and out["eagle"] is None and not out["baseline"]
+    assert [os.path.basename(a[1]) for a in installed] == ["smollm2-135m-instruct"]
+    assert out["installed"] == ["smollm2-135m-instruct"] and out["drafters"] == [seen[-1].out_dir]
 
 
 def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, monkeypatch):
@@ -986,12 +995,19 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     (w / "recipe_log.json").write_text("{}")
     assert cli_main(["train", "--recipe", "qwen2.5-coder-1.5b", "--work", str(w), "--status"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "finished (recipe_log.json)"
+    for d in ("eagle", "eagle-stage2"):  # a run with --no-baseline: the baseline never trained
+        (w / d / "model.safetensors").unlink()
+    (w / "recipe_log.json").write_text('{"baseline": false}')
+    assert status()[-1] == ("finished without the EAGLE-1 baseline (--no-baseline; the same command without it "
+                            "trains the baseline)")
+    (w / "recipe_log.json").write_text('{"baseline": true}')  # (an older log: the baseline's stage was removed)
+    assert status()[-1] == "next: eagle (run the same train --recipe command to resume)"
     with pytest.raises(SystemExit, match="--status applies to --recipe only"):
         cli_main(["train", "--status"])
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own
-COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--status", "--threads"}
+COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--no-baseline", "--status", "--threads"}
 
 
 def _other_value(action) -> list[str]:

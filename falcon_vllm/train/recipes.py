@@ -76,11 +76,12 @@ RECIPE_FALCON_FLAGS = ("glance", "block_phase")
 
 
 def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", log=print,
-               falcon_overrides: dict | None = None) -> dict:
+               falcon_overrides: dict | None = None, baseline: bool = True) -> dict:
     """gen-data + Falcon (CSGD) + EAGLE baseline for a known target, then what the Falcon drafter serves with;
     installs into falcon_vllm/drafters where the recipe does.  Every step resumes where it stopped (gen-data by
     shard, training from its checkpoint, a tree already fitted is kept).  ``falcon_overrides``: TrainConfig fields
-    (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's."""
+    (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's.  ``baseline=False``: the Falcon
+    drafter alone (no EAGLE-1 baseline: about half the training); a later run with it trains the baseline."""
     from falcon_vllm.models import model_path
 
     r = RECIPES[name]
@@ -102,18 +103,22 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     if "tune_tree" in r:  # before the baseline trains: the Falcon drafter is whole (and can be A/B'd) hours earlier
         fit_tree(r, target_dir, fal["out"], data, log)
         files.append("serving.json")
-    eag = train_stages(r, os.path.join(work, "eagle"), log, mode="eagle", tree=r["eagle_tree"], **common)
+    eag = train_stages(r, os.path.join(work, "eagle"), log, mode="eagle", tree=r["eagle_tree"], **common) \
+        if baseline else None
     if r.get("datastore", True):
         save_datastore(r, fal["out"], answers, data, work)
         files.append("datastore.npz")
     out = {"recipe": name, "device": device, "gen_data_seconds": round(t_data, 1), "falcon": fal["final"],
-           "eagle": eag["final"], "falcon_overrides": falcon_overrides,
-           "total_seconds": round(time.time() - t0, 1), "drafters": [fal["out"], os.path.join(eag["out"], "vllm-eagle")]}
+           "eagle": eag and eag["final"], "baseline": baseline, "falcon_overrides": falcon_overrides,
+           "total_seconds": round(time.time() - t0, 1),
+           "drafters": [fal["out"]] + ([os.path.join(eag["out"], "vllm-eagle")] if eag else [])}
     if install and r.get("install", True):
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
         install_drafter(fal["out"], os.path.join(shipped, r["falcon_dir"]), files=tuple(files))
-        install_drafter(os.path.join(eag["out"], "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
-        out["installed"] = [r["falcon_dir"], r["eagle_dir"]]
+        out["installed"] = [r["falcon_dir"]]
+        if eag:
+            install_drafter(os.path.join(eag["out"], "vllm-eagle"), os.path.join(shipped, r["eagle_dir"]))
+            out["installed"].append(r["eagle_dir"])
     elif install:
         log(f"falcon-vllm: train --recipe {name}: the drafters stay in {work} (this recipe installs nothing): "
             f"A/B it against the shipped falcon_vllm/drafters/{r['falcon_dir']} in one run (python "
@@ -292,10 +297,14 @@ def recipe_status(name: str, work: str) -> list[str]:
             lines.append(f"trees {os.path.basename(d)}/serving.json: {'fitted' if fitted else 'not yet'}")
             if not fitted:
                 todo.append("tune-tree")
-    finished = os.path.exists(os.path.join(work, "recipe_log.json"))
-    lines.append("finished (recipe_log.json)" if finished and not todo else
-                 f"next: {todo[0]} (run the same train --recipe command to resume)" if todo else
-                 "next: the last steps (run the same train --recipe command to finish)")
+    log = _json(os.path.join(work, "recipe_log.json"))
+    if log is not None and not log.get("baseline", True) and todo and all(t.startswith("eagle") for t in todo):
+        lines.append("finished without the EAGLE-1 baseline (--no-baseline; the same command without it trains the "
+                     "baseline)")
+    else:
+        lines.append("finished (recipe_log.json)" if log is not None and not todo else
+                     f"next: {todo[0]} (run the same train --recipe command to resume)" if todo else
+                     "next: the last steps (run the same train --recipe command to finish)")
     return lines
 
 
@@ -355,6 +364,9 @@ def add_arguments(p):
     p.add_argument("--status", action="store_true",
                    help="with --recipe: say where the run in --work stands (data, teacher caches, each training "
                         "stage, the trees) and what it resumes next; runs nothing")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="with --recipe: train the Falcon drafter alone, without its EAGLE-1 baseline (about half the "
+                        "training time); the same command without it later trains the baseline")
     p.add_argument("--no-install", action="store_true",
                    help="with --recipe: leave the trained drafters in --work instead of installing them into "
                         "falcon_vllm/drafters/ (e.g. a variant of the recipe: --recipe smollm2 --glance none)")
@@ -371,7 +383,7 @@ def recipe_overrides(args) -> dict:
     p = argparse.ArgumentParser()
     add_arguments(p)
     defaults = vars(p.parse_args([]))
-    kept = ("work", "device", "threads", "no_install", "status")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
+    kept = ("work", "device", "threads", "no_install", "no_baseline", "status")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
     given = getattr(args, "given", None)
     given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept and k != "recipe"
              and (k in given if given is not None else v != defaults[k])}
@@ -397,10 +409,11 @@ def main(args):
         return 0
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.work, install=not args.no_install, device=args.device,
-                                    falcon_overrides=recipe_overrides(args)), indent=1))
+                                    falcon_overrides=recipe_overrides(args), baseline=not args.no_baseline), indent=1))
         return 0
-    if args.no_install:
-        raise SystemExit("falcon-vllm: train: --no-install applies to --recipe only")
+    for flag in ("no_install", "no_baseline"):
+        if getattr(args, flag):
+            raise SystemExit(f"falcon-vllm: train: --{flag.replace('_', '-')} applies to --recipe only")
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
     res = train(config_from_args(args, target_dir=args.target or str(model_path())))
