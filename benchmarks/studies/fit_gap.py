@@ -44,8 +44,9 @@ def target_head(target_dir: str):
     from falcon_vllm.drafter import EMBED_KEYS, HEAD_KEYS, target_tensor
 
     cfg = AutoConfig.from_pretrained(target_dir)
-    emb = target_tensor(target_dir, EMBED_KEYS)[1].float()
-    head = target_tensor(target_dir, HEAD_KEYS)[1].float()  # tied: the embedding
+    key, head = target_tensor(target_dir, HEAD_KEYS)
+    head = head.float()
+    emb = head if key in EMBED_KEYS else target_tensor(target_dir, EMBED_KEYS)[1].float()  # tied: read once
     lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False)
     lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     return cfg, torch.nn.Embedding.from_pretrained(emb), lm_head

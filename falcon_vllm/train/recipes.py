@@ -298,13 +298,15 @@ def recipe_status(name: str, work: str) -> list[str]:
             if not fitted:
                 todo.append("tune-tree")
     log = _json(os.path.join(work, "recipe_log.json"))
-    if log is not None and not log.get("baseline", True) and todo and all(t.startswith("eagle") for t in todo):
+    if todo and log is not None and not log.get("baseline", True) and all(t.startswith("eagle") for t in todo):
         lines.append("finished without the EAGLE-1 baseline (--no-baseline; the same command without it trains the "
                      "baseline)")
+    elif todo:
+        lines.append(f"next: {todo[0]} (run the same train --recipe command to resume)")
+    elif log is not None:
+        lines.append("finished (recipe_log.json)")
     else:
-        lines.append("finished (recipe_log.json)" if log is not None and not todo else
-                     f"next: {todo[0]} (run the same train --recipe command to resume)" if todo else
-                     "next: the last steps (run the same train --recipe command to finish)")
+        lines.append("next: the last steps (run the same train --recipe command to finish)")
     return lines
 
 
