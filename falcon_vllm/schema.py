@@ -226,6 +226,9 @@ KEYS: dict[str, Key] = {f.name: f.metadata["key"] for f in fields(FalconOptions)
 ALIASES: dict[str, str] = {a: name for name, key in KEYS.items() for a in key.aliases}
 LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "drafter_tokens", "lookup_tokens")
 STORE_KEYS = ("datastore", "datastore_tokens", "datastore_max_batch")
+# what a chain-form serving.json may recommend (vllm.options.with_recommendation applies each of them)
+SERVING_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size", "draft_sample_method",
+                "draft_temperature_scale", *LOOKUP_KEYS, "drafter_max_batch", *STORE_KEYS)
 
 
 def parse(config: dict, vllm_keys: set[str], source: str | None = None
@@ -293,7 +296,10 @@ def read_serving(path: str) -> ServingFile:
     if not_here:
         raise ValueError(f"falcon-vllm: {where}{not_here} belong in the speculative config, not in serving.json "
                          "(the chain form recommends a chain for the drafter it sits beside)")
-    opts, _, _ = parse(data, set(), path)
+    opts, _, names = parse(data, set(), path)
+    if ignored := sorted(names[k] for k in names if k not in SERVING_KEYS):
+        raise ValueError(f"falcon-vllm: {where}{ignored} cannot be recommended by serving.json (it would have no "
+                         f"effect): give them in the speculative config; serving.json takes {list(SERVING_KEYS)}")
     n = opts.num_speculative_tokens
     if by_cpu is not None and not (isinstance(by_cpu, dict) and all(isinstance(c, str) for c in by_cpu)):
         raise ValueError(f"falcon-vllm: {where}{BY_CPU} must map CPU capabilities (e.g. \"AVX512\", as "

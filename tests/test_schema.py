@@ -90,6 +90,8 @@ def test_serving_json_is_read_through_the_schema(tmp_path):
                        ({"num_speculative_tokens": 4, "prompt_lookup_mx": 3}, r"unknown option\(s\) \['prompt_lookup_mx'\]"),
                        ({"num_speculative_tokens": 4, "tree": "chain-4"}, "belong in the speculative config"),
                        ({"num_speculative_tokens": 4, "draft_confidence": 1}, r"draft_confidence must be a number in \[0, 1\)"),
+                       ({"num_speculative_tokens": 4, "draft_confidence": 0.5, "draft_gemm_dtype": "int8"},
+                        r"\['draft_confidence', 'draft_gemm_dtype'\] cannot be recommended by serving.json"),
                        ({"paths": [[0]], "draft_sample_method": "probabilistic"}, "needs a chain"),
                        ({"k": 2}, "must be a `falcon-vllm tune-tree` file")]:
         with pytest.raises(ValueError, match=match) as e:
