@@ -33,8 +33,18 @@ def _stored(default=MISSING, *, key: str | None = None, section: str = "", optio
                                                                                              metadata=meta)
 
 
-# how a stored value is read back, by the field's annotation (the others are stored as they are)
-_READ = {"int": int, "int | None": int, "float": float, "bool": bool, "tuple[int, ...]": tuple}
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# how a stored value is checked and read back, by the field's annotation: (accepts, converts, what it must be)
+_READ = {"int": (_is_int, int, "an integer"), "int | None": (_is_int, int, "an integer"),
+         "float": (lambda v: _is_int(v) or isinstance(v, float), float, "a number"),
+         "bool": (lambda v: isinstance(v, bool), bool, "true or false"),
+         "str": (lambda v: isinstance(v, str), str, "a string"),
+         "str | None": (lambda v: isinstance(v, (str, list)), lambda v: v, "a string"),
+         "tuple[int, ...]": (lambda v: isinstance(v, list) and all(map(_is_int, v)), tuple, "a list of integers"),
+         "dict[str, Any]": (lambda v: isinstance(v, dict), dict, "an object")}
 
 
 @dataclass
@@ -73,6 +83,9 @@ class FalconConfig:
     extra: dict[str, Any] = _stored(factory=dict, section="falcon", optional=True)  # training provenance etc.
 
     def __post_init__(self):
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"falcon-vllm: {name} must be >= 1, got {getattr(self, name)}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.fusion not in FUSIONS:
@@ -188,8 +201,14 @@ class FalconConfig:
                 if _default(f) is MISSING:
                     raise ValueError(f"falcon-vllm: {source}: missing key {key!r} in the drafter config")
                 continue
-            kw[f.name] = _READ[f.type](value) if f.type in _READ else value
-        return cls(**kw)
+            accepts, read, what = _READ[f.type]
+            if not accepts(value):
+                raise ValueError(f"falcon-vllm: {source}: {key} must be {what}, got {value!r}")
+            kw[f.name] = read(value)
+        try:
+            return cls(**kw)
+        except ValueError as e:  # the rules between fields (__post_init__), with the file named
+            raise ValueError(str(e).replace("falcon-vllm: ", f"falcon-vllm: {source}: ", 1)) from None
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)

@@ -9,7 +9,6 @@ the key tables of ``docs/serving.md``, ``--write`` puts them there.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -104,9 +103,10 @@ class FalconOptions:
     tree: str | list | None = _key(
         DRAFTER, f"a preset ({preset_list()}), a list of rank paths (`[[0], [1], [0, 0]]`) or a JSON file (a list of "
         "paths, `{\"tree\": paths}`, or a `falcon-vllm tune-tree` file)", "none: a chain",
-        f"duplicate or orphan paths refused; at most {MAX_TREE_NODES} nodes; a chain runs in chain mode, any other "
-        "tree (and any tune-tree file) in tree mode, which refuses prompt lookup, sampled drafts and "
-        "`draft_confidence`", kind="tree")
+        f"duplicate or orphan paths refused; at most {MAX_TREE_NODES} nodes, ranks within the drafter's vocabulary; "
+        "a tune-tree file fitted for the drafter's `k`; a chain runs in chain mode, any other tree (and any tune-tree "
+        "file) in tree mode, which refuses prompt lookup, sampled drafts, `draft_confidence` and a "
+        "`rejection_sample_method` other than `standard`", kind="tree")
     drafter_k: int | None = _key(
         DRAFTER, "the block size the drafter must have been trained with (a consistency check)", "not checked",
         "must equal the drafter's `k`", ge=1, aliases=("falcon_k",))
@@ -118,7 +118,7 @@ class FalconOptions:
     num_speculative_tokens_per_batch_size: list | None = _key(
         DRAFTER, "the draft length per batch-size range, `[[lo, hi, K], ...]` (K = 0: drafting off)",
         "`serving.json`'s; a tune-tree file's own schedule in tree mode",
-        "`lo <= hi`; in `serving.json` also `K <= num_speculative_tokens`", kind="schedule", vllm=True)
+        "`lo <= hi`, `K <= num_speculative_tokens`", kind="schedule", vllm=True)
 
     prompt_lookup_min: int | None = _key(
         LOOKUP, "with `prompt_lookup_max`, turns on prompt lookup first and the drafter's chain otherwise: a request "
@@ -174,6 +174,8 @@ class FalconOptions:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         given = [names.get(k, k) for k in ("drafter_tokens", "lookup_tokens") if getattr(self, k) is not None]
         if hi == 0 or (lo is None and hi is None):
+            if hi == 0 and lo is not None:
+                given.insert(0, "prompt_lookup_min")
             if given:
                 how = ("(prompt_lookup_max >= 1)" if hi == 0 else "give prompt_lookup_max (the longest n-gram "
                        "looked up), or use num_speculative_tokens for the drafter's chain")
@@ -206,6 +208,9 @@ class FalconOptions:
                              "applies to sampled drafts: give draft_sample_method \"probabilistic\" too")
         if not tree_mode:
             check_chain_length(n)
+        if (sch := self.num_speculative_tokens_per_batch_size) and max(r[2] for r in sch) > n:
+            raise ValueError(f"falcon-vllm: num_speculative_tokens_per_batch_size {sch} drafts more than "
+                             f"num_speculative_tokens ({n}) at some batch size: K <= {n} in every row")
         if tree_mode and lookup is not None:
             raise ValueError("falcon-vllm: prompt lookup (prompt_lookup_max) runs in chain mode; give a chain "
                              "(num_speculative_tokens) instead of a tree, or drop prompt_lookup_max")
@@ -285,8 +290,12 @@ def read_serving(path: str) -> ServingFile:
         if data.get("draft_sample_method") not in (None, "greedy"):
             raise ValueError(f"falcon-vllm: {path}: draft_sample_method={data['draft_sample_method']!r} needs a "
                              "chain; a tune-tree file serves a tree, whose nodes are drafted greedily")
+        if chain := sorted(k for k in data if k != "draft_sample_method"
+                           and ALIASES.get(k.replace("-", "_"), k.replace("-", "_")) in KEYS):
+            raise ValueError(f"falcon-vllm: {path}: {chain} belong to the chain form of serving.json; a tune-tree "
+                             "file serves its own trees and would ignore them")
         return ServingFile(tree_file=path)
-    if not (isinstance(data, dict) and "num_speculative_tokens" in data):
+    if not (isinstance(data, dict) and data.get("num_speculative_tokens") is not None):
         raise ValueError(f"falcon-vllm: {path} must be a `falcon-vllm tune-tree` file or "
                          "{\"num_speculative_tokens\": n}")
     data = dict(data)

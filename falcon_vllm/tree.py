@@ -320,6 +320,7 @@ class TreeFile:
     tuned: bool                            # a tune-tree file (it has "paths" or "by_batch_size")
     paths: list | None                     # its main tree (the largest one: vLLM's K)
     by_batch_size: list[tuple[int, list]]  # (batch size, its tree's paths; [] = no speculation), ascending
+    k: int | None = None                   # the drafter block size a tune-tree file was fitted for
 
 
 def load_json(path: str):
@@ -332,13 +333,34 @@ def load_json(path: str):
 
 
 def read_tree_file(path: str) -> TreeFile:
-    """Parse a tree file; any other JSON gives an empty, untuned result."""
+    """Parse a tree file; any other JSON object gives an empty, untuned result.  A malformed one (paths that are not
+    a list, ``by_batch_size`` not a map of batch sizes to ``{"paths": [...]}``, a batch size given twice or not a
+    positive integer, a ``k`` that is not one) gives one error naming the file; the paths themselves are checked
+    where the tree is built (:class:`DecodingTree`)."""
     data = load_json(path)
-    plain = data if isinstance(data, list) else None
-    data = data if isinstance(data, dict) else {}
-    by = data.get("by_batch_size") or {}
-    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=data.get("paths", data.get("tree", plain)),
-                    by_batch_size=sorted((int(b), r.get("paths") or []) for b, r in by.items()))
+    bad = lambda what: ValueError(f"falcon-vllm: tree file {path}: {what}")  # noqa: E731
+    if isinstance(data, list):
+        return TreeFile(tuned=False, paths=data, by_batch_size=[])
+    if not isinstance(data, dict):
+        raise bad(f"expected a list of rank paths or a JSON object, got {type(data).__name__}")
+    paths = data.get("paths", data.get("tree"))
+    if paths is not None and not isinstance(paths, list):
+        raise bad(f"'paths' must be a list of rank paths such as [[0], [1], [0, 0]], got {paths!r}")
+    by, rows = data.get("by_batch_size") or {}, {}
+    if not isinstance(by, dict):
+        raise bad(f"'by_batch_size' must map batch sizes to {{\"paths\": [...]}}, got {type(by).__name__}")
+    for b, r in by.items():
+        if not (isinstance(b, str) and b.isdigit() and b == str(int(b)) and int(b) >= 1):
+            raise bad(f"by_batch_size: batch size {b!r} is not a positive integer written plainly (e.g. \"4\")")
+        got = r.get("paths") if isinstance(r, dict) else None
+        if not (isinstance(r, dict) and (got is None or isinstance(got, list))):
+            raise bad(f"by_batch_size[{b!r}] must be {{\"paths\": [...]}} (an empty list: no speculation), got {r!r}")
+        rows[int(b)] = got or []
+    k = data.get("k")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise bad(f"'k' (the drafter block size the trees were fitted for) must be an integer >= 1, got {k!r}")
+    return TreeFile(tuned="paths" in data or "by_batch_size" in data, paths=paths, by_batch_size=sorted(rows.items()),
+                    k=k)
 
 
 # ---------------------------------------------------------------------- presets
@@ -395,14 +417,29 @@ def _paper_llama() -> list[list[int]]:
     return d1 + d2 + d3 + d4 + d5 + d6 + d7 + d8
 
 
+# a preset pattern (chain-N, tree-AxB..) is built only up to this size; serving takes at most
+# schema.MAX_TREE_NODES of them, and says so
+MAX_PATTERN_NODES = 4096
+
+
 def chain_paths(length: int) -> list[list[int]]:
     if length < 1:
         raise ValueError(f"falcon-vllm: a chain needs length >= 1, got {length}")
+    if length > MAX_PATTERN_NODES:
+        raise ValueError(f"falcon-vllm: chain-{length} has {length} nodes, far more than a step can verify")
     return [[0] * d for d in range(1, length + 1)]
 
 
 def full_tree_paths(widths: Sequence[int]) -> list[list[int]]:
     """Every combination: widths[d] children per node at depth d (e.g. [4, 2, 1])."""
+    nodes, level = 0, 1
+    for w in widths:
+        level *= w
+        nodes += level
+        if nodes > MAX_PATTERN_NODES:
+            name = "tree-" + "x".join(map(str, widths))
+            raise ValueError(f"falcon-vllm: {name} has more than {MAX_PATTERN_NODES} nodes, far more than a step "
+                             "can verify")
     out: list[list[int]] = []
     frontier: list[list[int]] = [[]]
     for w in widths:

@@ -278,6 +278,22 @@ def test_config_validation():
     with pytest.raises(ValueError, match="k \\(tokens per drafter pass\\)"):
         FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
                      vocab_size=10, k=0)
+    good = FalconConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+                        vocab_size=10).to_hf_dict()
+    assert FalconConfig.from_hf_dict(good).k == 2
+    # a config.json with a value of the wrong type or out of bounds: one error naming the key, never a raw
+    # ZeroDivisionError/TypeError, and never a value silently converted ("false" read as True, 2.7 as 2)
+    for top, falcon, err in [({"num_key_value_heads": 0}, {}, "num_key_value_heads must be >= 1"),
+                             ({"num_attention_heads": 0}, {}, "num_attention_heads must be >= 1"),
+                             ({}, {"k": "two"}, "k must be an integer, got 'two'"),
+                             ({}, {"k": 2.7}, "k must be an integer, got 2.7"),
+                             ({}, {"level_embedding": "false"}, "level_embedding must be true or false"),
+                             ({}, {"aux_layers": 5}, "aux_layers must be a list of integers"),
+                             ({}, {"target": "llama"}, "target must be an object"),
+                             ({"hidden_size": "64"}, {}, "hidden_size must be an integer")]:
+        d = {**good, **top, "falcon": {**good["falcon"], **falcon}}
+        with pytest.raises(ValueError, match=f"cfg.json: {err}"):
+            FalconConfig.from_hf_dict(d, source="cfg.json")
 
 
 def test_target_tensors_are_read_from_sharded_or_tied_safetensors(tmp_path):

@@ -93,6 +93,10 @@ def test_serving_json_is_read_through_the_schema(tmp_path):
                        ({"num_speculative_tokens": 4, "draft_confidence": 0.5, "draft_gemm_dtype": "int8"},
                         r"\['draft_confidence', 'draft_gemm_dtype'\] cannot be recommended by serving.json"),
                        ({"paths": [[0]], "draft_sample_method": "probabilistic"}, "needs a chain"),
+                       ({"paths": [[0]], "k": 2, "num_speculative_tokens": 5, "prompt-lookup-max": 3, "falcon_tokens": 2},
+                        r"\['falcon_tokens', 'num_speculative_tokens', 'prompt-lookup-max'\] belong to the chain form"),
+                       ({"num_speculative_tokens": None, "num_speculative_tokens_per_batch_size": [[1, 4, 2]]},
+                        "must be a `falcon-vllm tune-tree` file"),
                        ({"k": 2}, "must be a `falcon-vllm tune-tree` file")]:
         with pytest.raises(ValueError, match=match) as e:
             read(bad)

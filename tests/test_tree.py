@@ -1,5 +1,6 @@
+import json
+
 import pytest
-import torch
 
 from falcon_vllm.tree import DecodingTree, build_tree, chain_paths, full_tree_paths
 
@@ -80,6 +81,34 @@ def test_presets_and_specs():
     assert len(full_tree_paths([2, 2])) == 6
     with pytest.raises(ValueError, match="unknown tree"):
         build_tree("nope", 2)
+    # a pattern is sized before it is built: a typo must not build 10^9 paths
+    for spec in ("tree-1000x1000x1000", "chain-1000000"):
+        with pytest.raises(ValueError, match="far more than a step can verify"):
+            build_tree(spec, 2)
+
+
+def test_malformed_tree_files_give_one_error_naming_the_file(tmp_path):
+    from falcon_vllm.tree import read_tree_file
+
+    f = tmp_path / "t.json"
+    for content, err in [({"paths": [[0]], "by_batch_size": {"4": [[0]]}}, r"by_batch_size\['4'\] must be"),
+                         ({"by_batch_size": [[1, [[0]]]]}, "'by_batch_size' must map batch sizes"),
+                         ({"by_batch_size": {"four": {"paths": [[0]]}}}, "batch size 'four' is not a positive"),
+                         ({"by_batch_size": {"04": {"paths": [[0]]}}}, "batch size '04' is not a positive"),
+                         ({"by_batch_size": {"0": {"paths": []}}}, "batch size '0' is not a positive"),
+                         ({"tree": 5}, "'paths' must be a list of rank paths"),
+                         ({"paths": [[0]], "k": "2"}, "'k' .* must be an integer >= 1"),
+                         (5, "expected a list of rank paths or a JSON object")]:
+        f.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=err) as e:
+            read_tree_file(str(f))
+        assert str(f) in str(e.value)
+    f.write_text(json.dumps({"k": 2, "paths": [[0], [1]], "by_batch_size": {"2": {"paths": [[0]]},
+                                                                           "1": {"paths": [[0], [1]]}}}))
+    got = read_tree_file(str(f))
+    assert got.tuned and got.k == 2 and got.by_batch_size == [(1, [[0], [1]]), (2, [[0]])]
+    f.write_text("[[0], [0, 0]]")
+    assert read_tree_file(str(f)).paths == [[0], [0, 0]] and not read_tree_file(str(f)).tuned
 
 
 def test_tree_file(tmp_path):

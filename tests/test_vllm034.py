@@ -220,6 +220,19 @@ def test_the_032_user_interface_works_on_034(checks):
     assert checks["cli_wrapped"] == [True, True]  # --speculative-model / --num-speculative-tokens, as on 0.32
 
 
+def test_falcon_keys_move_into_speculator_options_once():
+    """0.34's speculative config gets Falcon's top-level keys in speculator_options; a key given under both
+    spellings ('-' and '_') is refused, as the 0.32 path refuses it, instead of the last one winning."""
+    from falcon_vllm.vllm.v2.cli import falcon_keys_to_options
+
+    got = falcon_keys_to_options({"method": "falcon", "num_speculative_tokens": 3, "prompt-lookup-max": 3})
+    assert got == {"method": "falcon", "num_speculative_tokens": 3, "speculator_options": {"prompt_lookup_max": 3}}
+    with pytest.raises(ValueError, match=r"\['prompt_lookup_max'\] given twice"):
+        falcon_keys_to_options({"method": "falcon", "prompt-lookup-max": 3, "prompt_lookup_max": 5})
+    assert falcon_keys_to_options({"method": "eagle", "prompt-lookup-max": 3}) == {"method": "eagle",
+                                                                                   "prompt-lookup-max": 3}
+
+
 def test_plugin_imports_no_034_names_and_v2_register_refuses_032():
     """On the installed vLLM (0.32): importing the plugin loads no V2 module, and v2.register() says why not."""
     code = r'''

@@ -1,5 +1,6 @@
 """Bad falcon configurations fail at start-up with one clear error; the CLI forms map correctly."""
 
+import json
 import os
 import shutil
 
@@ -32,6 +33,13 @@ def dirs(tmp_path_factory):
     (base / "corrupt").mkdir()
     shutil.copy(base / "good" / "config.json", base / "corrupt" / "config.json")
     (base / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    shutil.copytree(base / "good", base / "badcfg")
+    cfg = json.loads((base / "badcfg" / "config.json").read_text())
+    cfg["falcon"]["k"] = 2.7
+    (base / "badcfg" / "config.json").write_text(json.dumps(cfg))
+    fitted = {"paths": [[0], [1]], "by_batch_size": {"1": {"paths": [[0], [1]]}}}
+    (base / "tree_k3").write_text(json.dumps({"k": 3, **fitted}))  # a tune-tree file fitted for another drafter
+    (base / "tree_bad").write_text(json.dumps({"paths": [[0]], "by_batch_size": {"1": [[0]]}}))
     return base
 
 
@@ -156,6 +164,18 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{good}", "draft_gemm_dtype": "fp8"}, "draft_gemm_dtype must be one of"),
     ({"method": "falcon", "model": "{good}", "tree": "tree-2x2x1", "draft_sample_method": "probabilistic"},
      "draft_sample_method='probabilistic' runs in chain mode"),
+    ({"method": "falcon", "model": "{badcfg}"}, "config.json: k must be an integer, got 2.7"),
+    ({"method": "falcon", "model": "{good}", "tree": "tree-1000x1000x1000"}, "far more than a step can verify"),
+    ({"method": "falcon", "model": "{good}", "tree": [[0], [50000]]},
+     "rank 50000 token, but the drafter drafts from 49152 tokens"),
+    ({"method": "falcon", "model": "{good}", "tree": "{tree_k3}"}, "fitted for a drafter of k=3"),
+    ({"method": "falcon", "model": "{good}", "tree": "{tree_bad}"}, r"by_batch_size\['1'\] must be"),
+    ({"method": "falcon", "model": "{good}", "tree": "tree-2x2x1", "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 2.0}, "rejection_sample_method='synthetic' is vLLM's chain sampler's"),
+    ({"method": "falcon", "model": "{good}", "num_speculative_tokens": 4,
+      "num_speculative_tokens_per_batch_size": [[1, 64, 8]]}, r"drafts more than num_speculative_tokens \(4\)"),
+    ({"method": "falcon", "model": "{good}", "prompt_lookup_min": 3, "prompt_lookup_max": 0},
+     "prompt_lookup_min only applies with prompt lookup"),
 ])
 def test_bad_configs_give_one_clear_error(dirs, spec, err):
     spec = {k: (v.format(**{d: str(dirs / d) for d in os.listdir(dirs)}) if isinstance(v, str) else v)

@@ -176,6 +176,19 @@ def check_cudagraph_mode(serving: Serving, mode, enforce_eager: bool = False):
     return mode
 
 
+def check_tree_for_drafter(spec, tree, cfg: FalconConfig) -> None:
+    """A tree the drafter can draft: its ranks within the drafter's vocabulary, and a tune-tree file fitted for the
+    drafter's block size."""
+    vocab = cfg.draft_vocab_size or cfg.vocab_size
+    if tree.topk > vocab:
+        raise ValueError(f"falcon-vllm: tree {spec!r} asks for the drafter's rank {tree.topk - 1} token, but the "
+                         f"drafter drafts from {vocab} tokens")
+    fitted = read_tree_file(spec).k if isinstance(spec, str) and os.path.isfile(spec) else None
+    if fitted is not None and fitted != cfg.k:
+        raise ValueError(f"falcon-vllm: tree file {spec} was fitted for a drafter of k={fitted}; this drafter has "
+                         f"k={cfg.k}: fit its trees with `falcon-vllm tune-tree`")
+
+
 def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[dict, Serving]:
     """Return (the config to give vLLM with method 'eagle', the drafter's :class:`~falcon_vllm.serving.Serving`,
     whose ``section()`` tags the draft config).  A config that
@@ -208,12 +221,16 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                              f"{MAX_TREE_NODES} per request and step. Use a smaller tree (e.g. 'falcon-llama', 118 "
                              "nodes) or fit one with `falcon-vllm tune-tree`")
         n = tree.num_nodes
+        check_tree_for_drafter(opts.tree, tree, cfg)
     n = 2 * cfg.k if n is None else n
     if tree is None or tree.is_chain:
         check_chain_length(n)
     sized = _batch_size_trees(opts.tree, cfg.k, n) if tree is not None else None
     tree_mode = tree is not None and bool(sized or not tree.is_chain)  # a tune-tree file runs in tree mode
     lookup = opts.check(n, tree_mode, names)
+    if tree_mode and rest.get("rejection_sample_method") not in (None, "standard"):
+        raise ValueError(f"falcon-vllm: rejection_sample_method={rest['rejection_sample_method']!r} is vLLM's chain "
+                         "sampler's; tree mode verifies with its own tree sampler. Give a chain or drop it")
     store = None if opts.datastore is False else opts.datastore
     if store is not None:
         ds = Datastore.load(store)  # clear errors: missing or unreadable file

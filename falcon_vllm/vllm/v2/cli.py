@@ -40,6 +40,10 @@ def falcon_keys_to_options(sc: dict, fields=SPEC_FIELDS) -> dict:
     move = {k: v for k, v in sc.items() if k.replace("-", "_") in ours and k.replace("-", "_") not in keep}
     if not move:
         return sc
+    spelled = [k.replace("-", "_") for k in move]
+    if twice := sorted({k for k in spelled if spelled.count(k) > 1}):
+        raise ValueError(f"falcon-vllm: {twice} given twice in the speculative config (with '-' and '_'): give each "
+                         "once")
     options = dict(sc.get("speculator_options") or {})
     if both := sorted(set(options) & {k.replace("-", "_") for k in move}):
         raise ValueError(f"falcon-vllm: {both} given both in the speculative config and in its speculator_options: "
