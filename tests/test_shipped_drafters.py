@@ -35,6 +35,7 @@ def test_shipped_falcon_drafter_resolves_for_its_recorded_target(drafter):
     target = SimpleNamespace(**{k: v for k, v in t.items() if k != "name"})
     assert resolve_drafter("falcon", target) == str(drafter)
     read_serving(str(drafter / SERVING_FILE))
+    check_weights(str(drafter), FalconConfig.load(str(drafter)))  # every tensor's name and shape match the config
 
 
 def test_a_recorded_target_is_named_by_its_directory_not_its_path():

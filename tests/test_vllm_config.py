@@ -33,6 +33,10 @@ def dirs(tmp_path_factory):
     (base / "corrupt").mkdir()
     shutil.copy(base / "good" / "config.json", base / "corrupt" / "config.json")
     (base / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    shutil.copytree(base / "good", base / "wrongshape")  # a config.json edited after training
+    cfg = json.loads((base / "wrongshape" / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (base / "wrongshape" / "config.json").write_text(json.dumps(cfg))
     shutil.copytree(base / "good", base / "badcfg")
     cfg = json.loads((base / "badcfg" / "config.json").read_text())
     cfg["falcon"]["k"] = 2.7
@@ -165,6 +169,7 @@ def test_default_tokens_and_chain_tree(dirs):
     ({"method": "falcon", "model": "{good}", "tree": "tree-2x2x1", "draft_sample_method": "probabilistic"},
      "draft_sample_method='probabilistic' runs in chain mode"),
     ({"method": "falcon", "model": "{badcfg}"}, "config.json: k must be an integer, got 2.7"),
+    ({"method": "falcon", "model": "{wrongshape}"}, r"weights do not match the drafter config: wrong shapes .*mlp"),
     ({"method": "falcon", "model": "{good}", "tree": "tree-1000x1000x1000"}, "far more than a step can verify"),
     ({"method": "falcon", "model": "{good}", "tree": [[0], [50000]]},
      "rank 50000 token, but the drafter drafts from 49152 tokens"),

@@ -16,8 +16,11 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.datastore import Datastore
+from falcon_vllm.drafter import FalconDrafter, check_state_dict, load_state_dict_file
 from falcon_vllm.serving import Lookup, Serving
 from falcon_vllm.schema import (GEMM_DTYPES, INCOMPATIBLE, LOOKUP_KEYS, MAX_TREE_NODES, STORE_KEYS, check_chain_length,
                                 FalconOptions, parse, read_serving, read_tree_file)
@@ -63,17 +66,27 @@ def resolve_drafter(model, target_hf) -> str:
         "or train one with `falcon-vllm train`.")
 
 
-def check_weights(path: str) -> None:
+def check_weights(path: str, cfg: FalconConfig | None = None) -> None:
+    """The drafter's weights readable and, given its ``cfg``, each tensor's name and shape what the config builds
+    (from the safetensors header, the small ``d2t`` map read whole): a checkpoint that does not match its
+    config.json is refused here, with the tensors that differ, not in vLLM's worker."""
     st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
     if os.path.exists(st):
         from safetensors import safe_open
         try:
             with safe_open(st, "pt") as f:
-                f.keys()
+                state = {k: (f.get_tensor(k) if k == "d2t" else torch.empty(f.get_slice(k).get_shape(),
+                                                                              device="meta")) for k in f.keys()}
         except Exception as e:
             raise ValueError(f"falcon-vllm: drafter weights {st} are corrupt or truncated ({e})") from None
-    elif not os.path.exists(pt):
+    elif os.path.exists(pt):
+        state = load_state_dict_file(path) if cfg is not None else {}  # its clear error when unreadable
+    else:
         raise ValueError(f"falcon-vllm: drafter directory {path!r} has no weights (model.safetensors)")
+    if cfg is not None:
+        with torch.device("meta"):
+            model = FalconDrafter(cfg)
+        check_state_dict(model, state, path)
 
 
 SERVING_FILE = "serving.json"
@@ -204,7 +217,7 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
         raise ValueError(f"falcon-vllm: the drafter at {path} reads the states entering target layers "
                          f"{list(cfg.aux_layers)} (trained with --aux-layers); the vLLM proposer passes it the final "
                          "hidden states only, so it cannot serve this drafter. Use one trained without --aux-layers")
-    check_weights(path)
+    check_weights(path, cfg)
     if opts.drafter_k is not None and opts.drafter_k != cfg.k:
         raise ValueError(f"falcon-vllm: {names['drafter_k']}={opts.drafter_k!r} but the drafter at {path} was trained "
                          f"with k={cfg.k}")
