@@ -28,16 +28,25 @@ def _read_official(src: str) -> tuple[dict, dict | None]:
             with open(os.path.join(src, "config.json")) as f:
                 cfg = json.load(f)
         return load_state_dict_file(src), cfg
-    if src.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(src), None
-    return torch.load(src, map_location="cpu", weights_only=True), None
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"falcon-vllm: convert: --src {src}: no such file or directory")
+    try:
+        if src.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(src), None
+        return torch.load(src, map_location="cpu", weights_only=True), None
+    except Exception as e:  # safetensors and torch raise several error types for a corrupt file
+        raise ValueError(f"falcon-vllm: convert: {src} cannot be read ({type(e).__name__}: {e})") from None
 
 
 def config_from_official(cfg: dict | None, state: dict, target_config=None, tree: str | None = None) -> FalconConfig:
     """Build our config from an official config.json, falling back to weight shapes and the target."""
     fusion = "lstm" if any(k.startswith("lstm.") for k in state) else "fc"
-    layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    found = [int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()]
+    if not found:
+        raise ValueError("falcon-vllm: convert: the checkpoint has no drafter layers (layers.N.*): it is not an "
+                         "official Falcon drafter (a target model's weights are model.layers.N.*)")
+    layers = 1 + max(found)
     src = dict(cfg or {})
     if target_config is not None:
         base = FalconConfig.from_target(target_config, num_layers=layers, fusion=fusion)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from falcon_vllm.acceptance import best_tree, rank_profile
 from falcon_vllm.config import dir_name
 from falcon_vllm.drafter import FalconDrafter
-from falcon_vllm.train.data import split_held_out
+from falcon_vllm.train.data import check_aux, split_held_out
 from falcon_vllm.train.gen_data import load_shards
 from falcon_vllm.tree import DecodingTree
 
@@ -122,12 +123,25 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="output JSON (loadable as a tree: `tree: <file>`)")
 
 
+def sizes(text: str, flag: str) -> list[int]:
+    """A comma-separated list of positive integers (``--batch-sizes``, ``--widths``), or one clear error."""
+    try:
+        got = [int(x) for x in text.split(",")]
+    except ValueError:
+        got = []
+    if not got or min(got) < 1:
+        raise ValueError(f"falcon-vllm: tune-tree: {flag} must be positive integers separated by commas, got {text!r}")
+    return got
+
+
 def main(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from tqdm import tqdm
 
     from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 
+    bs, widths = sizes(args.batch_sizes, "--batch-sizes"), sizes(args.widths, "--widths")  # before any work
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.manual_seed(0)
     tpath = args.target or str(model_path())
     tok = AutoTokenizer.from_pretrained(tpath)
@@ -136,7 +150,10 @@ def main(args):
     drafter.attach_target(target.get_input_embeddings(), target.get_output_embeddings())
     profiles = []
     if args.data:  # held-out conversations of a gen-data set (the trainer's split): stored tokens and features
-        held = split_held_out(load_shards(args.data))[1][:args.num_prompts]
+        aux = drafter.config.aux_layers
+        data = [s if aux else s.without_aux() for s in load_shards(args.data, aux=bool(aux))]
+        check_aux(aux, data, target.config.hidden_size, args.data)  # the input the drafter reads
+        held = split_held_out(data)[1][:args.num_prompts]
         for s in tqdm(held, desc="rank profile (held-out)"):
             roots = list(range(max(s.answer_start(), drafter.k), len(s.tokens) - args.max_depth - 1, 2))
             profiles += rank_profile(drafter, s.tokens, s.features.float(), args.max_depth, args.topk, roots)
@@ -149,8 +166,6 @@ def main(args):
             feats = target.base_model(input_ids=seq[None]).last_hidden_state[0]
         roots = list(range(len(ids), len(seq) - args.max_depth - 1, 2))
         profiles += rank_profile(drafter, seq, feats, args.max_depth, args.topk, roots)
-    bs = [int(b) for b in args.batch_sizes.split(",")]
-    widths = [int(w) for w in args.widths.split(",")]
     draft_cost = drafter_pass_cost(drafter, args.topk)  # before vLLM's engine binds this process's threads
     memo = {}
     if args.cost == "vllm":  # every (B, 1 + W) measured up front in one engine

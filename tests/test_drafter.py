@@ -108,6 +108,14 @@ def test_official_checkpoint_conversion_roundtrips(tmp_path, qwen):
     assert sorted(back) == sorted(sd)
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
+    # what is not an official drafter checkpoint: one clear error each
+    torch.save({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, tmp_path / "target.bin")
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    for src, err in [(tmp_path / "target.bin", r"no drafter layers \(layers.N.\*\)"),
+                     (tmp_path / "cut.safetensors", "cut.safetensors cannot be read"),
+                     (tmp_path / "missing", "--src .*missing: no such file")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=err):
+            convert_official(str(src), str(tmp_path / "bad"), tgt.config)
 
 
 def test_lstm_is_positionwise_from_zero_state(target):

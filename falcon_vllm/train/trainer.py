@@ -206,6 +206,9 @@ def build_drafter(cfg: TrainConfig, target, train_set: list, device: str) -> tup
 
 def optimiser(drafter: FalconDrafter, cfg: TrainConfig, n_train: int, world: int):
     """(AdamW, its schedule: 5% linear warm-up then linear decay to 0, steps per epoch, steps in all)."""
+    if n_train < world:  # an epoch without a batch would never advance the step count
+        raise ValueError(f"falcon-vllm: train: {n_train} training conversations for {world} process(es): give more "
+                         "data (gen-data --num-conversations)")
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
     steps_per_epoch = max(1, math.ceil(n_train / cfg.batch_size) // world)
@@ -250,16 +253,33 @@ class Run:
         return os.path.join(self.cfg.out_dir, f"rng_rank{self.rank}.pt")
 
 
+# TrainConfig fields a resumed run may change: where things are, how the run is kept, and its length (a run
+# continued for more epochs), not what it trains
+RESUME_MAY_CHANGE = ("out_dir", "data_dir", "extra_data_dir", "target_dir", "init_from", "device", "resume",
+                     "eval_every_epoch", "eval_roots", "save_dtype", "stop_after_epochs", "stop_after_steps",
+                     "checkpoint_minutes", "epochs", "max_steps")
+
+
 def resume(run: Run, log) -> None:
-    """Continue from ``checkpoint.pt``: weights, optimiser, schedule, progress and random streams."""
-    c = torch.load(run.checkpoint, weights_only=False, map_location=run.device)
+    """Continue from ``checkpoint.pt``: weights, optimiser, schedule, progress and random streams; a checkpoint of
+    a run with other training settings (another architecture, learning rate, epochs, ...) is refused."""
+    try:
+        c = torch.load(run.checkpoint, weights_only=False, map_location=run.device)
+    except Exception as e:
+        raise ValueError(f"falcon-vllm: train: {run.checkpoint} cannot be read ({type(e).__name__}: {e}); delete it "
+                         "or give --no-resume to start afresh") from None
+    if c.get("world", 1) != run.world:
+        raise ValueError(f"falcon-vllm: train: {run.checkpoint} was written by {c.get('world', 1)} processes; resume "
+                         f"it with as many (this run has {run.world})")
+    now = asdict(run.cfg)
+    if differ := [f"{k} {v!r} -> {now[k]!r}" for k, v in c.get("config", {}).items()
+                  if k in now and k not in RESUME_MAY_CHANGE and v != now[k]]:
+        raise ValueError(f"falcon-vllm: train: {run.checkpoint} is a run with other settings ({'; '.join(differ)}); "
+                         "give the same ones to resume it, or --no-resume (or another --out) to start afresh")
     run.drafter.load_state_dict(c["model"])
     run.opt.load_state_dict(c["opt"])
     run.sched.load_state_dict(c["sched"])
     run.state = c["state"]
-    if c.get("world", 1) != run.world:
-        raise ValueError(f"falcon-vllm: train: {run.checkpoint} was written by {c.get('world', 1)} processes; resume "
-                         f"it with as many (this run has {run.world})")
     r = torch.load(run.rng_file, weights_only=False) if os.path.exists(run.rng_file) else c
     run.rng.setstate(r["rng_py"])
     run.gen.set_state(r["rng_gen"])
