@@ -42,7 +42,7 @@ _READ = {"int": (_is_int, int, "an integer"), "int | None": (_is_int, int, "an i
          "float": (lambda v: _is_int(v) or isinstance(v, float), float, "a number"),
          "bool": (lambda v: isinstance(v, bool), bool, "true or false"),
          "str": (lambda v: isinstance(v, str), str, "a string"),
-         "str | None": (lambda v: isinstance(v, (str, list)), lambda v: v, "a string"),
+         "str | None": (lambda v: isinstance(v, (str, list)), lambda v: v, "a string or a list of paths"),
          "tuple[int, ...]": (lambda v: isinstance(v, list) and all(map(_is_int, v)), tuple, "a list of integers"),
          "dict[str, Any]": (lambda v: isinstance(v, dict), dict, "an object")}
 
