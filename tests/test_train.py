@@ -1288,3 +1288,17 @@ def test_level_weights(tmp_path, target, data):
         with pytest.raises(ValueError, match="level-weights"):
             train(TrainConfig(str(tmp_path / "x"), k=2, level_weights=bad), samples=data, target=target,
                   log=lambda *a: None)
+
+
+def test_gen_data_refuses_bad_counts_and_a_missing_data_file(tmp_path):
+    import argparse
+
+    from falcon_vllm.train import gen_command
+
+    p = argparse.ArgumentParser()
+    gen_command.add_arguments(p)
+    for argv, err in [(["--num-conversations", "-1"], "--num-conversations must be >= 0, got -1"),
+                      (["--shard-size", "0"], "--shard-size must be >= 1, got 0"),
+                      (["--data", str(tmp_path / "nope.json")], "--data .*nope.json: no such file")]:
+        with pytest.raises(SystemExit, match=err):
+            gen_command.main(p.parse_args(["--target", "tiny", "--out", str(tmp_path / "d"), *argv]))

@@ -59,10 +59,10 @@ def main(args):
 
     torch.manual_seed(0)
     target = args.target or str(model_path())
-    for flag in ("num_conversations", "skip_conversations", "max_new_tokens", "shard_size"):
-        if getattr(args, flag) < (0 if flag.endswith("conversations") else 1):
-            raise SystemExit(f"falcon-vllm: gen-data: --{flag.replace('_', '-')} must be "
-                             f"{'>= 0' if flag.endswith('conversations') else '>= 1'}, got {getattr(args, flag)}")
+    for flag, least in (("num_conversations", 0), ("skip_conversations", 0), ("max_new_tokens", 1), ("shard_size", 1)):
+        if getattr(args, flag) < least:
+            raise SystemExit(f"falcon-vllm: gen-data: --{flag.replace('_', '-')} must be >= {least}, "
+                             f"got {getattr(args, flag)}")
     if args.data and not os.path.isfile(args.data):
         raise SystemExit(f"falcon-vllm: gen-data: --data {args.data}: no such file")
     if args.answers_only:

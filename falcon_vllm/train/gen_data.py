@@ -269,10 +269,11 @@ def run(target_dir: str, out_dir: str, num_conversations: int | None, max_new_to
     if featurizer == "vllm" and job.generate is not None:
         job.generate.close()
     mine = {p.name for p in paths}  # this run's data; the shards past it stay listed apart, for a run of more
-    manifest["shards"], beyond = ([sh for sh in manifest["shards"] if (sh["file"] in mine) == keep]
-                                  for keep in (True, False))
+    beyond = [sh for sh in manifest["shards"] if sh["file"] not in mine]
+    manifest["shards"] = [sh for sh in manifest["shards"] if sh["file"] in mine]
     manifest.pop("beyond", None)
-    manifest |= {"beyond": beyond} if beyond else {}
+    if beyond:
+        manifest["beyond"] = beyond
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
