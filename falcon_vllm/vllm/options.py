@@ -132,13 +132,11 @@ def cpu_capability() -> str | None:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def _batch_size_trees(tree_spec, k: int, n: int):
-    """A ``falcon-vllm tune-tree`` file's per-batch-size trees -> (vLLM's dynamic K schedule,
-    {nodes: paths}); None for any other tree spec.  Batch sizes between two fitted ones take the
+def _batch_size_trees(tree_file, tree_spec, k: int, n: int):
+    """A ``falcon-vllm tune-tree`` file's per-batch-size trees (``tree_file``, read from ``tree_spec``) -> (vLLM's
+    dynamic K schedule, {nodes: paths}); None for any other tree spec.  Batch sizes between two fitted ones take the
     smaller one's tree; beyond the largest, its tree (0 nodes = no speculation)."""
-    if not (isinstance(tree_spec, str) and os.path.isfile(tree_spec)):
-        return None
-    rows = read_tree_file(tree_spec).by_batch_size
+    rows = tree_file.by_batch_size if tree_file is not None else None
     if not rows:
         return None
     schedule, sized = [], {}
@@ -189,14 +187,13 @@ def check_cudagraph_mode(serving: Serving, mode, enforce_eager: bool = False):
     return mode
 
 
-def check_tree_for_drafter(spec, tree, cfg: FalconConfig) -> None:
-    """A tree the drafter can draft: its ranks within the drafter's vocabulary, and a tune-tree file fitted for the
-    drafter's block size."""
+def check_tree_for_drafter(spec, tree, cfg: FalconConfig, fitted: int | None) -> None:
+    """A tree the drafter can draft: its ranks within the drafter's vocabulary, and a tune-tree file fitted (``fitted``:
+    the k it records) for the drafter's block size."""
     vocab = cfg.draft_vocab_size or cfg.vocab_size
     if tree.topk > vocab:
         raise ValueError(f"falcon-vllm: tree {spec!r} asks for the drafter's rank {tree.topk - 1} token, but the "
                          f"drafter drafts from {vocab} tokens")
-    fitted = read_tree_file(spec).k if isinstance(spec, str) and os.path.isfile(spec) else None
     if fitted is not None and fitted != cfg.k:
         raise ValueError(f"falcon-vllm: tree file {spec} was fitted for a drafter of k={fitted}; this drafter has "
                          f"k={cfg.k}: fit its trees with `falcon-vllm tune-tree`")
@@ -224,6 +221,7 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
     if opts.tree is None and opts.num_speculative_tokens is None:
         opts = with_recommendation(opts, path)
     tree, n = None, opts.num_speculative_tokens
+    tree_file = read_tree_file(opts.tree) if isinstance(opts.tree, str) and os.path.isfile(opts.tree) else None
     if opts.tree is not None:
         tree = build_tree(opts.tree, cfg.k)
         if n is not None and n != tree.num_nodes:
@@ -234,11 +232,11 @@ def resolve_falcon_config(sc: dict, target_hf, valid_keys: set[str]) -> tuple[di
                              f"{MAX_TREE_NODES} per request and step. Use a smaller tree (e.g. 'falcon-llama', 118 "
                              "nodes) or fit one with `falcon-vllm tune-tree`")
         n = tree.num_nodes
-        check_tree_for_drafter(opts.tree, tree, cfg)
+        check_tree_for_drafter(opts.tree, tree, cfg, tree_file.k if tree_file else None)
     n = 2 * cfg.k if n is None else n
     if tree is None or tree.is_chain:
         check_chain_length(n)
-    sized = _batch_size_trees(opts.tree, cfg.k, n) if tree is not None else None
+    sized = _batch_size_trees(tree_file, opts.tree, cfg.k, n) if tree is not None else None
     tree_mode = tree is not None and bool(sized or not tree.is_chain)  # a tune-tree file runs in tree mode
     lookup = opts.check(n, tree_mode, names)
     if tree_mode and rest.get("rejection_sample_method") not in (None, "standard"):

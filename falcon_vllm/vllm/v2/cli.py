@@ -45,7 +45,7 @@ def falcon_keys_to_options(sc: dict, fields=SPEC_FIELDS) -> dict:
         raise ValueError(f"falcon-vllm: {twice} given twice in the speculative config (with '-' and '_'): give each "
                          "once")
     options = dict(sc.get("speculator_options") or {})
-    if both := sorted(set(options) & {k.replace("-", "_") for k in move}):
+    if both := sorted(set(options) & set(spelled)):
         raise ValueError(f"falcon-vllm: {both} given both in the speculative config and in its speculator_options: "
                          "give each once")
     options.update({k.replace("-", "_"): v for k, v in move.items()})
