@@ -931,6 +931,8 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         pinned_first.append(os.path.exists(os.path.join(w, "recipe_sets.json")))
 
     monkeypatch.setattr(gen_data, "run", gen)
+    answered = []
+    monkeypatch.setattr(trainer, "answers_only", lambda *a, **k: answered.append((a, k)))
     monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
 
     def fit(args):
@@ -950,16 +952,24 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     here = os.path.join(os.path.dirname(trainer.__file__), "answers")
     grown = int(answers_meta(os.path.join(here, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
     assert grown >= 2560
-    got = [(os.path.relpath(a[1], w), a[2], a[3], os.path.basename(k["answers"]), k["data"] and os.path.basename(k["data"]),
-            k["skip_conversations"], k["featurizer"], k["backend"]) for a, k in gens]
-    assert got == [("data/qwen15", 960, 256, "qwen15-sharegpt.safetensors", None, 0, "vllm", "vllm"),
+    last = os.path.join(here, "qwen15-sharegpt-from5136.safetensors")  # the set the recipe answers
+    got = [(os.path.relpath(a[1], w), a[2], a[3], k["answers"] and os.path.basename(k["answers"]),
+            k["data"] and os.path.basename(k["data"]), k["skip_conversations"], k["featurizer"], k["backend"],
+            k["save_answers_to"]) for a, k in gens]
+    assert got == [("data/qwen15", 960, 256, "qwen15-sharegpt.safetensors", None, 0, "vllm", "vllm", None),
                    ("data/qwen15-code", 918, 256, "qwen15-code.safetensors", "qwen15-code-questions.json", 0, "vllm",
-                    "vllm"),
+                    "vllm", None),
                    ("data/qwen15-sharegpt-from1296", grown, 256, "qwen15-sharegpt-from1296.safetensors", None, 1296,
-                    "vllm", "vllm")]
-    assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens)
+                    "vllm", "vllm", None),
+                   ("data/qwen15-sharegpt-from5136", 4228, 256, os.path.exists(last) and os.path.basename(last) or None,
+                    None, 5136, "vllm", "vllm", None)]
+    # what its file lacks is answered first through vLLM, into the file, the states kept in the set's directory
+    assert [(a[1], a[2], a[3], a[4], k) for a, k in answered] == [
+        (last, 4228, 256, 64, {"data": None, "skip_conversations": 5136,
+                               "out_dir": os.path.join(w, "data", "qwen15-sharegpt-from5136")})] * (trainer.held(last) < 4228)
+    assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens + answered)
     data, extra = os.path.join(w, "data", "qwen15"), ",".join(os.path.join(w, "data", n) for n in (
-        "qwen15-code", "qwen15-sharegpt-from1296"))
+        "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"))
     assert [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr)
             for c in seen] == [("falcon", "falcon", None, 5, 4e-4), ("falcon", "falcon-stage2", "falcon", 3, 2e-4),
                                ("eagle", "eagle", None, 5, 4e-4), ("eagle", "eagle-stage2", "eagle", 3, 2e-4)]
@@ -975,16 +985,35 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)  # resumed: the fitted trees are kept
     assert len(fits) == 1 and any("serving.json exists: kept" in m for m in logs)
     # resumed after the growing set's file has grown: the same conversations as when the run began
-    assert json.load(open(os.path.join(w, "recipe_sets.json"))) == {"qwen15-sharegpt-from1296": grown}
+    sets = ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"]
+    assert json.load(open(os.path.join(w, "recipe_sets.json"))) == {"sets": sets,
+                                                                    "counts": {"qwen15-sharegpt-from1296": grown}}
     real_meta = answers_meta
     monkeypatch.setattr(trainer, "answers_meta", lambda f: {**real_meta(f), "conversations": grown + 64})
     gens.clear()
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert [a[2] for a, _ in gens] == [960, 918, grown]
+    assert [a[2] for a, _ in gens] == [960, 918, grown, 4228]
     assert any(f"the {grown} conversations this run began with" in m and f"holds {grown + 64} now" in m for m in logs)
     os.makedirs(tmp_path / "w2" / "falcon-stage2")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
-    assert [a[2] for a, _ in gens][3:] == [960, 918, grown + 64]
+    assert [a[2] for a, _ in gens][4:] == [960, 918, grown + 64, 4228]
+    # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work); one whose set the
+    # recipe no longer has is refused
+    gens.clear()
+    with open(os.path.join(w, "recipe_sets.json"), "w") as f:
+        json.dump({"sets": sets[:3], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
+    trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    assert [a[2] for a, _ in gens] == [960, 918, grown] and seen[-1].extra_data_dir == ",".join(extra.split(",")[:2])
+    assert any(m.startswith("qwen15-sharegpt-from5136: not in the run in ") for m in logs)
+    with open(os.path.join(w, "recipe_sets.json"), "w") as f:
+        json.dump({"sets": sets[:3] + ["qwen15-old"], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
+    with pytest.raises(SystemExit, match=r"no longer has \['qwen15-old'\]"):
+        trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    # a run begun before the sets were kept (its file holds the counts alone): the recipe's sets now, kept from then
+    with open(os.path.join(w, "recipe_sets.json"), "w") as f:
+        json.dump({"qwen15-sharegpt-from1296": grown}, f)
+    trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    assert json.load(open(os.path.join(w, "recipe_sets.json")))["sets"] == sets
 
 
 def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
@@ -1018,14 +1047,22 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     grown = int(answers_meta(os.path.join(recipes.ANSWERS, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
     assert lines[3] == (f"data qwen15-sharegpt-from1296: 0 of {grown} conversations featurized (0 of "
                         f"{-(-grown // 64)} shards) (all its answers file holds now; fixed when the run starts)")
+    lines = [ln.replace(f"holds {recipes.held(os.path.join(recipes.ANSWERS, 'qwen15-sharegpt-from5136.safetensors'))}",
+                        "holds H") for ln in lines]  # (the set's file grows as it is answered)
+    assert lines[4].startswith("data qwen15-sharegpt-from5136: 0 of 4228 conversations featurized (0 of 67 shards) (")
+    assert lines[4].endswith(" to answer first: qwen15-sharegpt-from5136.safetensors holds H)")
     assert lines[-1] == "next: data (run the same train --recipe command to resume)"
     shards("qwen15", 15, written=1000)  # prefilled at 50 tokens/s
     shards("qwen15-code", 2, seconds=640.0, written=2000)  # the last two at 25
     shards("qwen15-sharegpt-from1296", 1, generate_s=900.0, from_answers=False)  # answered: not a prefill's rate
-    (w / "recipe_sets.json").write_text(json.dumps({"qwen15-sharegpt-from1296": 128}))
+    # a run that began with three sets (the run fixes its sets, and the growing set's count, when it first starts)
+    (w / "recipe_sets.json").write_text(json.dumps({"sets": ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296"],
+                                                    "counts": {"qwen15-sharegpt-from1296": 128}}))
     (w / "data" / "qwen15" / "teacher_top64_n960_0123abcd.pt").write_bytes(b"")
     (w / "data" / "qwen15-code" / "teacher_top64_n512_partial_0123abcd.pt").write_bytes(b"")
     lines = status()
+    assert lines.pop(1) == ("sets qwen15-sharegpt-from5136: not in this run (it began without them; a new --work "
+                            "trains on them)")
     # left: 790 code and 64 ShareGPT conversations of 250 tokens, at the rate of the last 4 prefilled shards
     assert lines[1:6] == ["data qwen15: 960 of 960 conversations featurized (15 of 15 shards)",
                           "data qwen15-code: 128 of 918 conversations featurized (2 of 15 shards)",
@@ -1039,12 +1076,14 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     (w / "falcon" / "model.safetensors").write_bytes(b"")
     torch.save({"state": {"epoch": 1, "step": 700, "history": []}, "total": 2100}, w / "falcon-stage2" / "checkpoint.pt")
     lines = status()
+    del lines[1]  # (the set the run began without)
     assert lines[7] == "Falcon falcon: trained"
     assert lines[8].startswith("Falcon falcon-stage2: epoch 1 of 3 done, step 700 of 2100 (checkpoint.pt written ")
     assert lines[8].endswith(" min ago)")  # an older checkpoint, without the steps' time: no time left
     torch.save({"state": {"epoch": 1, "step": 700, "history": []}, "total": 2100, "seconds": 1200.0,
                 "timed_steps": 300}, w / "falcon-stage2" / "checkpoint.pt")  # 4 s a step over the steps timed
     lines = status()
+    del lines[1]  # (the set the run began without)
     assert lines[8].endswith(" min ago; about 1.6 h left at 4.0 s a step)")  # 1,400 steps left
     assert lines[9:] == ["trees falcon-stage2/serving.json: not yet", "EAGLE-1 eagle: not started (5 epochs)",
                          "EAGLE-1 eagle-stage2: not started (3 epochs)",

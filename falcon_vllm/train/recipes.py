@@ -22,6 +22,7 @@ from falcon_vllm.train import gen_data
 from falcon_vllm.train.answer_files import answers_meta
 from falcon_vllm.train.config import TrainConfig, add_config_arguments, config_from_args
 from falcon_vllm.train.data import TEACHER_CACHE
+from falcon_vllm.train.grow import answers_only
 from falcon_vllm.train.trainer import train
 
 RECIPES = {
@@ -44,13 +45,15 @@ RECIPES = {
                 "continue": [{"epochs": 4, "lr": 1e-3}, {"epochs": 2, "lr": 1e-3, "max_conversations": 5280},
                              {"epochs": 3, "lr": 1e-3, "max_conversations": None},
                              {"epochs": 2, "lr": 3e-4, "max_conversations": None}]},
-    # Qwen2.5-Coder-1.5B-Instruct (drafter v3): every stored answer of the target (tokens in the source tree,
-    # featurized by a prefill through vLLM; nothing is generated), the Falcon drafter of the shipped v2 (k=2, fc
+    # Qwen2.5-Coder-1.5B-Instruct (drafters v3 and on): every stored answer of the target (tokens in the source tree,
+    # featurized by a prefill through vLLM) and the answers a set's file still lacks (answered through vLLM, the
+    # states kept while answering, the file growing shard by shard), the Falcon drafter of the shipped v2 (k=2, fc
     # fusion, 1 layer with its MLP narrowed to 3,584, reversed block order, frozen 16,384-token head, lr 4e-4:
     # a 1,536-wide drafter diverged at 1e-3) and the EAGLE-1 baseline in the same two stages, then the tree
     # fitted by tune-tree to the held-out rank profile and vLLM's step cost (the drafter's serving.json).  The
     # first set is --data (its last 1/16 held out: the same 60 conversations as v2's); the others are
-    # --extra-data.  Not installed: it replaces the shipped drafter only after a same-run A/B against it.
+    # --extra-data.  Not installed: it replaces the shipped drafter only after a same-run A/B against it.  A run
+    # keeps the sets it began with (drafter v3's: the first three).
     "qwen2.5-coder-1.5b": {
         # shards of 64: those `gen-data --answers-only FILE --out <work>/data/<set>` writes while growing a set
         "target": "qwen2.5-coder-1.5b-instruct", "max_new_tokens": 256, "shard_size": 64, "backend": "vllm",
@@ -59,7 +62,10 @@ RECIPES = {
                  {"name": "qwen15-code", "answers": "qwen15-code.safetensors",
                   "questions": "qwen15-code-questions.json", "num_conversations": 918},
                  {"name": "qwen15-sharegpt-from1296", "answers": "qwen15-sharegpt-from1296.safetensors",
-                  "skip_conversations": 1296}],  # no count: every conversation the file holds when the run first starts
+                  "skip_conversations": 1296},  # no count: every conversation the file holds when the run first starts
+                 # the rest of ShareGPT's usable first turns: answered by the recipe where the file lacks them
+                 {"name": "qwen15-sharegpt-from5136", "answers": "qwen15-sharegpt-from5136.safetensors",
+                  "skip_conversations": 5136, "num_conversations": 4228}],
         "epochs": 5, "batch_size": 8, "lr": 4e-4, "fusion": "fc", "k": 2, "tree": "falcon-llama",
         "falcon_block_order": "reversed", "draft_vocab": 16384, "eagle_tree": "eagle-small",
         "train": {"intermediate_size": 3584, "train_draft_head": False, "eval_every_epoch": False},
@@ -140,7 +146,7 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
         backend = "hf"
     featurizer = r.get("featurizer", "hf") if backend == "vllm" else "hf"
-    sets = recipe_sets(r)
+    sets = run_sets(r, work, log)
     dirs, files = [], []
     # each set's conversations as generated before (tokens only, in the source tree): featurized, not generated;
     # every count fixed before the first set starts (a growing file's as it is now)
@@ -149,13 +155,25 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
     for s, n in zip(sets, counts):
         answers = os.path.join(ANSWERS, s["answers"])
         d = set_dir(work, s)
+        data = os.path.join(ANSWERS, s["questions"]) if "questions" in s else None
+        missing = n - held(answers)
+        if missing > 0 and backend == "vllm":  # answered first, the file in the source tree growing shard by shard
+            log(f"{s['name']}: answering the {missing} of its {n} conversations that {s['answers']} lacks")
+            answers_only(target_dir, answers, n, r["max_new_tokens"], r["shard_size"], data=data,
+                         skip_conversations=s.get("skip_conversations", 0),
+                         out_dir=d if featurizer == "vllm" else None)  # the states kept while answering
         gen_data.run(target_dir, d, n, r["max_new_tokens"], shard_size=r["shard_size"], backend=backend,
-                     answers=answers if os.path.exists(answers) else None,
-                     data=os.path.join(ANSWERS, s["questions"]) if "questions" in s else None,
-                     skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer)
+                     answers=answers if os.path.exists(answers) else None, data=data,
+                     skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer,
+                     save_answers_to=answers if missing > 0 and backend != "vllm" else None)
         dirs.append(d)
         files.append(answers)
     return dirs[0], ",".join(dirs[1:]) or None, files[0]
+
+
+def held(answers: str) -> int:
+    """The conversations an answers file holds (0 where there is none yet)."""
+    return int(answers_meta(answers)["conversations"]) if os.path.exists(answers) else 0
 
 
 def recipe_sets(r: dict) -> list[dict]:
@@ -169,22 +187,53 @@ def set_dir(work: str, s: dict) -> str:
     return os.path.join(work, "data", s["name"]) if s["name"] else os.path.join(work, "data")
 
 
+def read_pins(work: str) -> dict:
+    """What ``<work>/recipe_sets.json`` fixed when the run first started: ``sets``, the names of the sets it trains
+    on (None before it was kept), and ``counts``, the conversations of each set without a count."""
+    raw = _json(os.path.join(work, "recipe_sets.json")) or {}
+    if "sets" in raw or "counts" in raw:
+        return {"sets": raw.get("sets"), "counts": raw.get("counts", {})}
+    return {"sets": None, "counts": raw}  # written before the run kept its sets: the counts alone
+
+
+def write_pins(work: str, pins: dict) -> None:
+    path = os.path.join(work, "recipe_sets.json")
+    os.makedirs(work, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(pins, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def run_sets(r: dict, work: str, log) -> list[dict]:
+    """The sets of recipe ``r`` that the run in ``work`` trains on: those it began with, kept in
+    ``<work>/recipe_sets.json``, so that a run resumed under a newer recipe with more sets (its stages take hours)
+    trains both drafters on the data it began with; a new --work trains on them all."""
+    sets, pins = recipe_sets(r), read_pins(work)
+    if pins["sets"] is None:
+        write_pins(work, {**pins, "sets": [s["name"] for s in sets]})
+        return sets
+    if gone := [n for n in pins["sets"] if n not in {s["name"] for s in sets}]:
+        raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with the sets {pins['sets']}; this "
+                         f"recipe no longer has {gone}: finish it with the version of falcon-vllm that began it, or "
+                         f"start a new --work")
+    if added := [s["name"] for s in sets if s["name"] not in pins["sets"]]:
+        log(f"{', '.join(added)}: not in the run in {work} (it began without them): a new --work trains on them")
+    return [s for s in sets if s["name"] in pins["sets"]]
+
+
 def pinned_count(work: str, name: str, answers: str, log) -> int:
     """The conversations of a recipe set without a count: every one its answers file holds when the run first
     starts, kept in ``<work>/recipe_sets.json``, so that the run resumed later (its stages take hours, and the
     file may have grown since) trains both drafters on the same data."""
-    path, held = os.path.join(work, "recipe_sets.json"), int(answers_meta(answers)["conversations"])
-    pinned = json.load(open(path)) if os.path.exists(path) else {}
-    if name not in pinned:
-        pinned[name] = held
-        os.makedirs(work, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(pinned, f, indent=1)
-        os.replace(path + ".tmp", path)
-    elif held != pinned[name]:
-        log(f"{name}: the {pinned[name]} conversations this run began with ({path}); {os.path.basename(answers)} "
-            f"holds {held} now: a new --work trains on them")
-    return pinned[name]
+    pins, now = read_pins(work), held(answers)
+    if name not in pins["counts"]:
+        pins["counts"][name] = now
+        write_pins(work, pins)
+    elif now != pins["counts"][name]:
+        log(f"{name}: the {pins['counts'][name]} conversations this run began with "
+            f"({os.path.join(work, 'recipe_sets.json')}); {os.path.basename(answers)} holds {now} now: a new --work "
+            f"trains on them")
+    return pins["counts"][name]
 
 
 def fit_tree(r: dict, target_dir: str, drafter_dir: str, data: str, log) -> str:
@@ -254,15 +303,18 @@ def recipe_status(name: str, work: str) -> list[str]:
     """Lines that say where the recipe ``name``'s run in ``work`` stands, stage by stage, and which stage is next."""
     r = RECIPES[name]
     lines, todo = [f"recipe {name} in {work}"], []
-    sets = recipe_sets(r)
-    pinned = _json(os.path.join(work, "recipe_sets.json")) or {}
+    pins = read_pins(work)
+    sets = [s for s in recipe_sets(r) if pins["sets"] is None or s["name"] in pins["sets"]]
+    if added := [s["name"] for s in recipe_sets(r) if s not in sets]:
+        lines.append(f"sets {', '.join(added)}: not in this run (it began without them; a new --work trains on them)")
     counts, prefills, left_convs, per_conv = [], [], 0, []
     for s in sets:
         d = set_dir(work, s)
-        n = s.get("num_conversations") or pinned.get(s["name"])
+        n = s.get("num_conversations") or pins["counts"].get(s["name"])
+        stored = held(os.path.join(ANSWERS, s["answers"]))
         growing = n is None
         if growing:  # its count is fixed when the run first starts: what its answers file holds now
-            n = int(answers_meta(os.path.join(ANSWERS, s["answers"]))["conversations"])
+            n = stored
         shards = (_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
         shards = [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
         have = sum(sh["conversations"] for sh in shards)
@@ -271,10 +323,11 @@ def recipe_status(name: str, work: str) -> list[str]:
                      for sh in shards if sh.get("from_answers")]
         per_conv += [sh["tokens"] / sh["conversations"] for sh in shards if sh["conversations"]]
         counts.append(n)
-        left_convs += max(n - have, 0)
+        left_convs += max(min(n, stored) - have, 0)  # a prefill of stored answers (those to answer: while answered)
         lines.append(f"data {s['name'] or '.'}: {have} of {n} conversations featurized "
                      f"({len(shards)} of {math.ceil(n / r['shard_size'])} shards)"
-                     + (" (all its answers file holds now; fixed when the run starts)" if growing else ""))
+                     + (" (all its answers file holds now; fixed when the run starts)" if growing else "")
+                     + (f" ({n - stored} to answer first: {s['answers']} holds {stored})" if stored < n else ""))
         if have < n:
             todo.append("data")
     if left_convs and per_conv and sum(p[2] for p in prefills):
