@@ -428,6 +428,15 @@ def test_teacher_cache_of_grown_data_reuses_its_first_conversations(tmp_path, ta
     assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[:5]) == []
     assert len(trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:6])) == 3
     assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:4]) == []  # not fewer than stored
+    # another data set's cache (another tag: a recipe's extra sets grown by one more set) is reused where it fits;
+    # one of the same lengths whose answer rows differ is not
+    os.rename(os.path.join(other, "teacher_top8_n3_x.pt"), os.path.join(other, "teacher_top8_n3_0123abcd.pt"))
+    assert len(trainer.prefix_cache(other, "teacher_top8_n", "_89abcdef.pt", data[1:6])) == 3
+    moved = data[2].loss_mask.clone()
+    first = int(moved.nonzero()[0])
+    moved[first], moved[first - 1] = 0, 1  # the answer begins one token earlier, the length unchanged
+    assert trainer.prefix_cache(other, "teacher_top8_n", "_89abcdef.pt",
+                                [data[1], data[2]._replace(loss_mask=moved)] + list(data[3:6])) == []
 
 
 def test_an_interrupted_teacher_cache_build_resumes_where_it_stopped(tmp_path, target, data, monkeypatch):

@@ -371,7 +371,7 @@ def teacher_lines(work: str, sets: list, counts: list) -> list[str]:
         d = set_dir(work, s)
         found = [(int(m[1]), bool(m[2])) for f in (os.listdir(d) if os.path.isdir(d) else [])
                  if (m := TEACHER_CACHE.match(f))]
-        partial = [m for m, p in found if p]
+        partial = [m for m, p in found if p or m < want]  # an interrupted build, or a run's of fewer sets
         state = ("built" if (want, False) in found else f"{max(partial)} conversations so far (partial)" if partial
                  else "not yet")
         out.append(f"teacher cache ({label}, {want} conversations): {state}")
