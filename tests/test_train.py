@@ -952,10 +952,10 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
 
     monkeypatch.setattr(tune_tree, "main", fit)
     monkeypatch.setattr(trainer, "install_drafter", lambda *a, **k: installed.append(a))
-    os.makedirs(os.path.join(w, "falcon-stage2"))  # (training, stubbed here, makes it)
+    os.makedirs(os.path.join(w, "falcon-stage3"))  # (training, stubbed here, makes it)
     out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     # the Falcon drafter is whole, its trees fitted, before the baseline trains
-    assert [c if c == "tune-tree" else c.mode for c in seen] == ["falcon", "falcon", "tune-tree", "eagle", "eagle"]
+    assert [c if c == "tune-tree" else c.mode for c in seen] == ["falcon"] * 3 + ["tune-tree"] + ["eagle"] * 3
     seen.remove("tune-tree")
     assert pinned_first[0]  # the growing set's count is fixed before the first set starts
     here = os.path.join(os.path.dirname(trainer.__file__), "answers")
@@ -979,18 +979,20 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens + answered)
     data, extra = os.path.join(w, "data", "qwen15"), ",".join(os.path.join(w, "data", n) for n in (
         "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"))
-    assert [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr)
-            for c in seen] == [("falcon", "falcon", None, 5, 4e-4), ("falcon", "falcon-stage2", "falcon", 3, 2e-4),
-                               ("eagle", "eagle", None, 5, 4e-4), ("eagle", "eagle-stage2", "eagle", 3, 2e-4)]
+    v3 = ",".join(extra.split(",")[:2])  # stages 1-2 (drafter v3) on the first three sets, stage 3 on all four
+    assert [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr,
+             c.extra_data_dir) for c in seen] == [
+        row for m in ("falcon", "eagle") for row in ((m, m, None, 5, 4e-4, v3), (m, f"{m}-stage2", m, 3, 2e-4, v3),
+                                                    (m, f"{m}-stage3", f"{m}-stage2", 3, 2e-4, extra))]
     # the same data, head and MLP width for both drafters; the Falcon stages in v2's architecture
-    assert {(c.data_dir, c.extra_data_dir, c.draft_vocab, c.train_draft_head, c.intermediate_size, c.layers,
-             c.eval_every_epoch, c.max_conversations) for c in seen} == {(data, extra, 16384, False, 3584, 1, False, None)}
-    assert {(c.k, c.fusion, c.block_order) for c in seen[:2]} == {(2, "fc", "reversed")}
-    assert len(fits) == 1 and fits[0].drafter == os.path.join(w, "falcon-stage2") and fits[0].data == data
+    assert {(c.data_dir, c.draft_vocab, c.train_draft_head, c.intermediate_size, c.layers,
+             c.eval_every_epoch, c.max_conversations) for c in seen} == {(data, 16384, False, 3584, 1, False, None)}
+    assert {(c.k, c.fusion, c.block_order) for c in seen[:3]} == {(2, "fc", "reversed")}
+    assert len(fits) == 1 and fits[0].drafter == os.path.join(w, "falcon-stage3") and fits[0].data == data
     assert (fits[0].num_prompts, fits[0].batch_sizes, fits[0].widths) == (39, "1,2,4", "2,3,4,6,8,12")
-    assert fits[0].out == os.path.join(w, "falcon-stage2", "serving.json")
+    assert fits[0].out == os.path.join(w, "falcon-stage3", "serving.json")
     assert installed == [] and "installed" not in out and any("installs nothing" in m for m in logs)
-    assert json.load(open(os.path.join(w, "recipe_log.json")))["drafters"][0] == os.path.join(w, "falcon-stage2")
+    assert json.load(open(os.path.join(w, "recipe_log.json")))["drafters"][0] == os.path.join(w, "falcon-stage3")
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)  # resumed: the fitted trees are kept
     assert len(fits) == 1 and any("serving.json exists: kept" in m for m in logs)
     # resumed after the growing set's file has grown: the same conversations as when the run began
@@ -1003,7 +1005,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     assert [a[2] for a, _ in gens] == [960, 918, grown, 4228]
     assert any(f"the {grown} conversations this run began with" in m and f"holds {grown + 64} now" in m for m in logs)
-    os.makedirs(tmp_path / "w2" / "falcon-stage2")
+    os.makedirs(tmp_path / "w2" / "falcon-stage3")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
     assert [a[2] for a, _ in gens][4:] == [960, 918, grown + 64, 4228]
     # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work); one whose set the
@@ -1012,7 +1014,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"sets": sets[:3], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert [a[2] for a, _ in gens] == [960, 918, grown] and seen[-1].extra_data_dir == ",".join(extra.split(",")[:2])
+    assert [a[2] for a, _ in gens] == [960, 918, grown] and seen[-1].extra_data_dir == v3
     assert any(m.startswith("qwen15-sharegpt-from5136: not in the run in ") for m in logs)
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"sets": sets[:3] + ["qwen15-old"], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
@@ -1023,6 +1025,19 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         json.dump({"qwen15-sharegpt-from1296": grown}, f)
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     assert json.load(open(os.path.join(w, "recipe_sets.json")))["sets"] == sets
+    # a stage whose drafter is written is kept (a new --work linking v3's trained stages trains stage 3 alone)
+    seen.clear()
+    for d in ("falcon", "falcon-stage2"):
+        os.makedirs(os.path.join(w, d), exist_ok=True)
+        with open(os.path.join(w, d, "model.safetensors"), "w") as f:
+            f.write("")
+        with open(os.path.join(w, d, "config.json"), "w") as f:
+            json.dump({"falcon": {"extra": {"training": {"heldout": {"top1_by_block_position": [0.4, 0.2]}}}}}, f)
+    trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    assert [(c.mode, os.path.basename(c.out_dir), os.path.basename(c.init_from or "")) for c in seen] == [
+        ("falcon", "falcon-stage3", "falcon-stage2"), ("eagle", "eagle", ""), ("eagle", "eagle-stage2", "eagle"),
+        ("eagle", "eagle-stage3", "eagle-stage2")]
+    assert any(m.endswith("falcon-stage2: trained (its drafter is written): kept") for m in logs)
 
 
 def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
@@ -1094,21 +1109,22 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     lines = status()
     del lines[1]  # (the set the run began without)
     assert lines[8].endswith(" min ago; about 1.6 h left at 4.0 s a step)")  # 1,400 steps left
-    assert lines[9:] == ["trees falcon-stage2/serving.json: not yet", "EAGLE-1 eagle: not started (5 epochs)",
-                         "EAGLE-1 eagle-stage2: not started (3 epochs)",
+    assert lines[9:] == ["Falcon falcon-stage3: not started (3 epochs)", "trees falcon-stage3/serving.json: not yet",
+                         "EAGLE-1 eagle: not started (5 epochs)", "EAGLE-1 eagle-stage2: not started (3 epochs)",
+                         "EAGLE-1 eagle-stage3: not started (3 epochs)",
                          "next: data (run the same train --recipe command to resume)"]
     shards("qwen15-code", 15)
     shards("qwen15-sharegpt-from1296", 2)
     assert status()[-1] == "next: falcon-stage2 (run the same train --recipe command to resume)"
-    for d in ("falcon-stage2", "eagle", "eagle-stage2"):
+    for d in ("falcon-stage2", "falcon-stage3", "eagle", "eagle-stage2", "eagle-stage3"):
         (w / d).mkdir(exist_ok=True)
         (w / d / "model.safetensors").write_bytes(b"")
-    (w / "falcon-stage2" / "serving.json").write_text("{}")
+    (w / "falcon-stage3" / "serving.json").write_text("{}")
     assert status()[-1] == "next: the last steps (run the same train --recipe command to finish)"
     (w / "recipe_log.json").write_text("{}")
     assert cli_main(["train", "--recipe", "qwen2.5-coder-1.5b", "--work", str(w), "--status"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "finished (recipe_log.json)"
-    for d in ("eagle", "eagle-stage2"):  # a run with --no-baseline: the baseline never trained
+    for d in ("eagle", "eagle-stage2", "eagle-stage3"):  # a run with --no-baseline: the baseline never trained
         (w / d / "model.safetensors").unlink()
     (w / "recipe_log.json").write_text('{"baseline": false}')
     assert status()[-1] == ("finished without the EAGLE-1 baseline (--no-baseline; the same command without it "

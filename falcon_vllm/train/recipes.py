@@ -49,7 +49,7 @@ RECIPES = {
     # featurized by a prefill through vLLM) and the answers a set's file still lacks (answered through vLLM, the
     # states kept while answering, the file growing shard by shard), the Falcon drafter of the shipped v2 (k=2, fc
     # fusion, 1 layer with its MLP narrowed to 3,584, reversed block order, frozen 16,384-token head, lr 4e-4:
-    # a 1,536-wide drafter diverged at 1e-3) and the EAGLE-1 baseline in the same two stages, then the tree
+    # a 1,536-wide drafter diverged at 1e-3) and the EAGLE-1 baseline in the same three stages, then the tree
     # fitted by tune-tree to the held-out rank profile and vLLM's step cost (the drafter's serving.json).  The
     # first set is --data (its last 1/16 held out: the same 60 conversations as v2's); the others are
     # --extra-data.  Not installed: it replaces the shipped drafter only after a same-run A/B against it.  A run
@@ -72,7 +72,8 @@ RECIPES = {
         "datastore": False, "install": False,
         "tune_tree": ["--num-prompts", "39", "--batch-sizes", "1,2,4", "--widths", "2,3,4,6,8,12"],
         "falcon_dir": "qwen2.5-coder-1.5b-instruct", "eagle_dir": "qwen2.5-coder-1.5b-instruct-eagle",
-        "continue": [{"epochs": 3, "lr": 2e-4}]},
+        # stages 1-2 on the first three sets (drafter v3), stage 3 from those weights on every set
+        "train_sets": 3, "continue": [{"epochs": 3, "lr": 2e-4}, {"epochs": 3, "lr": 2e-4, "train_sets": None}]},
 }
 
 ANSWERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers")  # the stored answers files
@@ -97,19 +98,20 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
                          f"Falcon stages, not {unknown}")
     target_dir = str(model_path(r["target"]) if "target" in r else model_path())
     t0 = time.time()
-    data, extra, answers = recipe_data(r, target_dir, work, log)
+    dirs, answers = recipe_data(r, target_dir, work, log)
+    data = dirs[0]
     t_data = time.time() - t0
-    common = dict(data_dir=data, extra_data_dir=extra, target_dir=target_dir, epochs=r["epochs"],
+    common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"],
                   batch_size=r["batch_size"], lr=r["lr"], draft_vocab=r["draft_vocab"], save_dtype="bfloat16",
                   device=device, max_conversations=r.get("max_conversations"), **r.get("train", {}))
-    fal = train_stages(r, os.path.join(work, "falcon"), log, k=r["k"], fusion=r["fusion"], tree=r["tree"],
+    fal = train_stages(r, os.path.join(work, "falcon"), dirs, log, k=r["k"], fusion=r["fusion"], tree=r["tree"],
                        layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
                        **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}, **falcon_overrides)
     files = ["config.json", "model.safetensors"]
     if "tune_tree" in r:  # before the baseline trains: the Falcon drafter is whole (and can be A/B'd) hours earlier
         fit_tree(r, target_dir, fal["out"], data, log)
         files.append("serving.json")
-    eag = train_stages(r, os.path.join(work, "eagle"), log, mode="eagle", tree=r["eagle_tree"], **common) \
+    eag = train_stages(r, os.path.join(work, "eagle"), dirs, log, mode="eagle", tree=r["eagle_tree"], **common) \
         if baseline else None
     if r.get("datastore", True):
         save_datastore(r, fal["out"], answers, data, work)
@@ -135,7 +137,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     return out
 
 
-def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | None, str]:
+def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], str]:
     """gen-data for recipe ``r`` under ``work/data``: each of its sets featurized from its stored answers (in the
     source tree) where they are, generated otherwise.  Returns the first set's directory (``--data``: its last
     1/16 held out), the others' (``--extra-data``, or None) and the first set's answers file (it may not exist)."""
@@ -168,7 +170,7 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[str, str | No
                      save_answers_to=answers if missing > 0 and backend != "vllm" else None)
         dirs.append(d)
         files.append(answers)
-    return dirs[0], ",".join(dirs[1:]) or None, files[0]
+    return dirs, files[0]
 
 
 def held(answers: str) -> int:
@@ -254,12 +256,21 @@ def fit_tree(r: dict, target_dir: str, drafter_dir: str, data: str, log) -> str:
     return out
 
 
-def train_stages(r: dict, out: str, log, **kw) -> dict:
+def train_stages(r: dict, out: str, dirs: list[str], log, **kw) -> dict:
     """Train recipe ``r``'s stages of one drafter (``TrainConfig`` fields ``kw``) into ``out``, ``out-stage2``, ..;
-    each later stage continues the one before (new optimiser and schedule).  Returns the last stage's result."""
+    each later stage continues the one before (new optimiser and schedule), on the run's data sets ``dirs`` (the
+    first held out in part, the others extra) or the first ``train_sets`` of them.  A stage whose drafter is written
+    is kept as it is.  Returns the last stage's result."""
     res, prev = None, None
     for d, stage in stages(r, out):
-        res = train(TrainConfig(d, **{**kw, **stage, "init_from": prev}), log=log)
+        stage = {**{"train_sets": r.get("train_sets")}, **stage}
+        extra = ",".join(dirs[1:stage.pop("train_sets") or len(dirs)]) or None
+        if os.path.exists(os.path.join(d, "model.safetensors")):
+            log(f"{d}: trained (its drafter is written): kept")
+            with open(os.path.join(d, "config.json")) as f:
+                res = {"final": json.load(f)["falcon"].get("extra", {}).get("training", {}).get("heldout"), "out": d}
+        else:
+            res = train(TrainConfig(d, **{**kw, **stage, "extra_data_dir": extra, "init_from": prev}), log=log)
         prev = d
     return res
 
