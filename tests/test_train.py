@@ -427,7 +427,8 @@ def test_teacher_cache_of_grown_data_reuses_its_first_conversations(tmp_path, ta
     assert [len(s.tokens) for s in data[:3]] != [len(s.tokens) for s in data[1:4]]
     assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[:5]) == []
     assert len(trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:6])) == 3
-    assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:4]) == []  # not fewer than stored
+    assert len(trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:4])) == 3  # as many as stored
+    assert trainer.prefix_cache(other, "teacher_top8_n", "_x.pt", data[1:3]) == []  # fewer than stored
     # another data set's cache (another tag: a recipe's extra sets grown by one more set) is reused where it fits;
     # one of the same lengths whose answer rows differ is not
     os.rename(os.path.join(other, "teacher_top8_n3_x.pt"), os.path.join(other, "teacher_top8_n3_0123abcd.pt"))

@@ -231,14 +231,14 @@ def save_whole(obj, path: str) -> None:
 
 
 def prefix_cache(directory: str, head: str, tail: str, data, log=print) -> list:
-    """The largest stored cache ``{head}{m}[_partial]_{tag}.pt`` in ``directory`` of fewer conversations than
+    """The largest stored cache ``{head}{m}[_partial]_{tag}.pt`` in ``directory`` of no more conversations than
     ``data`` that fits its first ``m``, loaded; [] when there is none.  Any tag (``tail`` is this data set's): a
     recipe's extra sets grown by one more set begin with the sets of the run before, whose cache is reused.  It fits
     when each of its conversations has the data's length and its rows computed where the data has answer tokens."""
     found = []
     for name in os.listdir(directory):
         m = name[len(head):].split("_", 1)[0] if name.startswith(head) and name.endswith(".pt") else ""
-        if m.isdigit() and 0 < int(m) < len(data):
+        if m.isdigit() and 0 < int(m) <= len(data):  # (of as many: another data set's cache of the same ones)
             found.append((int(m), name.endswith(f"_partial{tail}") or name.endswith(tail), name))
     for m, _, name in sorted(found, reverse=True):
         cache = torch.load(os.path.join(directory, name), weights_only=False)
