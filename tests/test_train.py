@@ -987,7 +987,8 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
                                                     (m, f"{m}-stage3", f"{m}-stage2", 3, 2e-4, extra))]
     # the same data, head and MLP width for both drafters; the Falcon stages in v2's architecture
     assert {(c.data_dir, c.draft_vocab, c.train_draft_head, c.intermediate_size, c.layers,
-             c.eval_every_epoch, c.max_conversations) for c in seen} == {(data, 16384, False, 3584, 1, False, None)}
+             c.max_conversations) for c in seen} == {(data, 16384, False, 3584, 1, None)}
+    assert [c.eval_every_epoch for c in seen] == [False, False, True] * 2  # stage 3's learning curve
     assert {(c.k, c.fusion, c.block_order) for c in seen[:3]} == {(2, "fc", "reversed")}
     assert len(fits) == 1 and fits[0].drafter == os.path.join(w, "falcon-stage3") and fits[0].data == data
     assert (fits[0].num_prompts, fits[0].batch_sizes, fits[0].widths) == (39, "1,2,4", "2,3,4,6,8,12")

@@ -72,8 +72,10 @@ RECIPES = {
         "datastore": False, "install": False,
         "tune_tree": ["--num-prompts", "39", "--batch-sizes", "1,2,4", "--widths", "2,3,4,6,8,12"],
         "falcon_dir": "qwen2.5-coder-1.5b-instruct", "eagle_dir": "qwen2.5-coder-1.5b-instruct-eagle",
-        # stages 1-2 on the first three sets (drafter v3), stage 3 from those weights on every set
-        "train_sets": 3, "continue": [{"epochs": 3, "lr": 2e-4}, {"epochs": 3, "lr": 2e-4, "train_sets": None}]},
+        # stages 1-2 on the first three sets (drafter v3), stage 3 from those weights on every set (its held-out
+        # metrics after each epoch: whether more epochs would pay)
+        "train_sets": 3, "continue": [{"epochs": 3, "lr": 2e-4},
+                                      {"epochs": 3, "lr": 2e-4, "train_sets": None, "eval_every_epoch": True}]},
 }
 
 ANSWERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers")  # the stored answers files
