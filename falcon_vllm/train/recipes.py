@@ -265,12 +265,13 @@ def train_stages(r: dict, out: str, dirs: list[str], log, **kw) -> dict:
     is kept as it is.  Returns the last stage's result."""
     res, prev = None, None
     for d, stage in stages(r, out):
-        stage = {**{"train_sets": r.get("train_sets")}, **stage}
+        stage = {"train_sets": r.get("train_sets"), **stage}
         extra = ",".join(dirs[1:stage.pop("train_sets") or len(dirs)]) or None
         if os.path.exists(os.path.join(d, "model.safetensors")):
             log(f"{d}: trained (its drafter is written): kept")
             with open(os.path.join(d, "config.json")) as f:
-                res = {"final": json.load(f)["falcon"].get("extra", {}).get("training", {}).get("heldout"), "out": d}
+                record = json.load(f).get("falcon", {}).get("extra", {}).get("training", {})
+            res = {"final": record.get("heldout"), "out": d}
         else:
             res = train(TrainConfig(d, **{**kw, **stage, "extra_data_dir": extra, "init_from": prev}), log=log)
         prev = d
