@@ -1010,14 +1010,22 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     os.makedirs(tmp_path / "w2" / "falcon-stage3")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
     assert [a[2] for a, _ in gens][4:] == [960, 918, grown + 64, 4228]
-    # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work); one whose set the
-    # recipe no longer has is refused
+    # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work) and trains the stages
+    # on those alone (here stages 1-2: drafter v3's run), its trees fitted to the last; one whose set the recipe no
+    # longer has is refused
     gens.clear()
+    seen.clear()
+    fits.clear()
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"sets": sets[:3], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
-    trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert [a[2] for a, _ in gens] == [960, 918, grown] and seen[-1].extra_data_dir == v3
+    os.makedirs(os.path.join(w, "falcon-stage2"))
+    out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
+    assert [a[2] for a, _ in gens] == [960, 918, grown]
+    assert [(c.mode, os.path.basename(c.out_dir), c.extra_data_dir) for c in seen if c != "tune-tree"] == [
+        (m, d, v3) for m in ("falcon", "eagle") for d in (m, f"{m}-stage2")]
+    assert [f.drafter for f in fits] == [os.path.join(w, "falcon-stage2")] and out["drafters"][0] == fits[0].drafter
     assert any(m.startswith("qwen15-sharegpt-from5136: not in the run in ") for m in logs)
+    assert any(m.endswith("falcon-stage3: on sets this run began without: not trained in it") for m in logs)
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"sets": sets[:3] + ["qwen15-old"], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
     with pytest.raises(SystemExit, match=r"no longer has \['qwen15-old'\]"):
@@ -1111,22 +1119,30 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     lines = status()
     del lines[1]  # (the set the run began without)
     assert lines[8].endswith(" min ago; about 1.6 h left at 4.0 s a step)")  # 1,400 steps left
-    assert lines[9:] == ["Falcon falcon-stage3: not started (3 epochs)", "trees falcon-stage3/serving.json: not yet",
-                         "EAGLE-1 eagle: not started (5 epochs)", "EAGLE-1 eagle-stage2: not started (3 epochs)",
-                         "EAGLE-1 eagle-stage3: not started (3 epochs)",
+    # stage 3 trains on the set this run began without: not in its list; its trees come from stage 2
+    assert lines[9:] == ["trees falcon-stage2/serving.json: not yet", "EAGLE-1 eagle: not started (5 epochs)",
+                         "EAGLE-1 eagle-stage2: not started (3 epochs)",
                          "next: data (run the same train --recipe command to resume)"]
     shards("qwen15-code", 15)
     shards("qwen15-sharegpt-from1296", 2)
     assert status()[-1] == "next: falcon-stage2 (run the same train --recipe command to resume)"
-    for d in ("falcon-stage2", "falcon-stage3", "eagle", "eagle-stage2", "eagle-stage3"):
+    for d in ("falcon-stage2", "eagle", "eagle-stage2"):
         (w / d).mkdir(exist_ok=True)
         (w / d / "model.safetensors").write_bytes(b"")
-    (w / "falcon-stage3" / "serving.json").write_text("{}")
+    (w / "falcon-stage2" / "serving.json").write_text("{}")
     assert status()[-1] == "next: the last steps (run the same train --recipe command to finish)"
+    # the same run had it begun with every set: stage 3 and its trees next (after the fourth set's data)
+    (w / "recipe_sets.json").write_text(json.dumps({"sets": [s["name"] for s in recipes.recipe_sets(
+        recipes.RECIPES["qwen2.5-coder-1.5b"])], "counts": {"qwen15-sharegpt-from1296": 128}}))
+    assert [ln for ln in status() if "stage3" in ln] == ["Falcon falcon-stage3: not started (3 epochs)",
+                                                          "trees falcon-stage3/serving.json: not yet",
+                                                          "EAGLE-1 eagle-stage3: not started (3 epochs)"]
+    (w / "recipe_sets.json").write_text(json.dumps({"sets": ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296"],
+                                                    "counts": {"qwen15-sharegpt-from1296": 128}}))
     (w / "recipe_log.json").write_text("{}")
     assert cli_main(["train", "--recipe", "qwen2.5-coder-1.5b", "--work", str(w), "--status"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "finished (recipe_log.json)"
-    for d in ("eagle", "eagle-stage2", "eagle-stage3"):  # a run with --no-baseline: the baseline never trained
+    for d in ("eagle", "eagle-stage2"):  # a run with --no-baseline: the baseline never trained
         (w / d / "model.safetensors").unlink()
     (w / "recipe_log.json").write_text('{"baseline": false}')
     assert status()[-1] == ("finished without the EAGLE-1 baseline (--no-baseline; the same command without it "

@@ -262,9 +262,13 @@ def train_stages(r: dict, out: str, dirs: list[str], log, **kw) -> dict:
     """Train recipe ``r``'s stages of one drafter (``TrainConfig`` fields ``kw``) into ``out``, ``out-stage2``, ..;
     each later stage continues the one before (new optimiser and schedule), on the run's data sets ``dirs`` (the
     first held out in part, the others extra) or the first ``train_sets`` of them.  A stage whose drafter is written
-    is kept as it is.  Returns the last stage's result."""
+    is kept as it is; one on sets the run began without is not trained (nor any after it).  Returns the last
+    stage's result."""
     res, prev = None, None
-    for d, stage in stages(r, out):
+    kept = run_stages(r, out, len(dirs))
+    for d, _ in stages(r, out)[len(kept):]:
+        log(f"{d}: on sets this run began without: not trained in it")
+    for d, stage in kept:
         stage = {"train_sets": r.get("train_sets"), **stage}
         extra = ",".join(dirs[1:stage.pop("train_sets") or len(dirs)]) or None
         if os.path.exists(os.path.join(d, "model.safetensors")):
@@ -276,6 +280,16 @@ def train_stages(r: dict, out: str, dirs: list[str], log, **kw) -> dict:
             res = train(TrainConfig(d, **{**kw, **stage, "extra_data_dir": extra, "init_from": prev}), log=log)
         prev = d
     return res
+
+
+def run_stages(r: dict, out: str, num_sets: int) -> list[tuple[str, dict]]:
+    """``stages`` up to the first one on more sets than the run's ``num_sets`` (``train_stages`` stops there)."""
+    kept = []
+    for d, stage in stages(r, out):
+        if (stage.get("train_sets", r.get("train_sets")) or len(recipe_sets(r))) > num_sets:
+            break
+        kept.append((d, stage))
+    return kept
 
 
 def stages(r: dict, out: str) -> list[tuple[str, dict]]:
@@ -354,7 +368,7 @@ def recipe_status(name: str, work: str) -> list[str]:
                      f"prefilled shards; {rate(prefills):.0f} over all {len(prefills)})")
     lines += teacher_lines(work, sets, counts)
     for drafter, label in (("falcon", "Falcon"), ("eagle", "EAGLE-1")):
-        for d, stage in stages(r, os.path.join(work, drafter)):
+        for d, stage in run_stages(r, os.path.join(work, drafter), len(sets)):
             line, done = stage_line(d, stage.get("epochs", r.get(f"{drafter}_epochs", r["epochs"])))
             lines.append(f"{label} {os.path.basename(d)}: {line}")
             if not done:
