@@ -1030,11 +1030,18 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         json.dump({"sets": sets[:3] + ["qwen15-old"], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
     with pytest.raises(SystemExit, match=r"no longer has \['qwen15-old'\]"):
         trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    # a run begun before the sets were kept (its file holds the counts alone): the recipe's sets now, kept from then
+    # a run begun before the sets were kept (its file holds the counts alone): the sets it has begun (here those
+    # three: gen-data, stubbed, wrote no manifest for the fourth), kept from then
+    for name in sets[:3]:
+        os.makedirs(os.path.join(w, "data", name), exist_ok=True)
+        with open(os.path.join(w, "data", name, "manifest.json"), "w") as f:
+            f.write("{}")
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"qwen15-sharegpt-from1296": grown}, f)
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert json.load(open(os.path.join(w, "recipe_sets.json")))["sets"] == sets
+    assert json.load(open(os.path.join(w, "recipe_sets.json")))["sets"] == sets[:3]
+    with open(os.path.join(w, "recipe_sets.json"), "w") as f:
+        json.dump({"sets": sets, "counts": {"qwen15-sharegpt-from1296": grown}}, f)
     # a stage whose drafter is written is kept (a new --work linking v3's trained stages trains stage 3 alone)
     seen.clear()
     for d in ("falcon", "falcon-stage2"):

@@ -213,7 +213,9 @@ def run_sets(r: dict, work: str, log) -> list[dict]:
     ``<work>/recipe_sets.json``, so that a run resumed under a newer recipe with more sets (its stages take hours)
     trains both drafters on the data it began with; a new --work trains on them all."""
     sets, pins = recipe_sets(r), read_pins(work)
-    if pins["sets"] is None:
+    if pins["sets"] is None:  # a new run: every set; a run begun before its sets were kept: those it has begun
+        begun = [s for s in sets if os.path.exists(os.path.join(set_dir(work, s), "manifest.json"))]
+        sets = begun if os.path.exists(os.path.join(work, "recipe_sets.json")) and begun else sets
         write_pins(work, {**pins, "sets": [s["name"] for s in sets]})
         return sets
     if gone := [n for n in pins["sets"] if n not in {s["name"] for s in sets}]:
