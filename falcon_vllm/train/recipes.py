@@ -140,9 +140,10 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
 
 
 def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], str]:
-    """gen-data for recipe ``r`` under ``work/data``: each of its sets featurized from its stored answers (in the
-    source tree) where they are, generated otherwise.  Returns the first set's directory (``--data``: its last
-    1/16 held out), the others' (``--extra-data``, or None) and the first set's answers file (it may not exist)."""
+    """gen-data for recipe ``r`` under ``work/data``: each set of the run (``run_sets``) featurized from its stored
+    answers (in the source tree); what a set's answers file lacks is answered first, into that file.  Returns the
+    sets' directories (the first is ``--data``: its last 1/16 held out; the others ``--extra-data``) and the first
+    set's answers file."""
     import importlib.util
 
     backend = r["backend"]
