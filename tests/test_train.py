@@ -941,8 +941,10 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         pinned_first.append(os.path.exists(os.path.join(w, "recipe_sets.json")))
 
     monkeypatch.setattr(gen_data, "run", gen)
-    answered = []
+    answered, real_held = [], trainer.held
     monkeypatch.setattr(trainer, "answers_only", lambda *a, **k: answered.append((a, k)))
+    # the fourth set's file as the recipe first meets it (not yet grown in the source tree)
+    monkeypatch.setattr(trainer, "held", lambda f: 0 if f.endswith("-from5136.safetensors") else real_held(f))
     monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
 
     def fit(args):
@@ -976,7 +978,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     # what its file lacks is answered first through vLLM, into the file, the states kept in the set's directory
     assert [(a[1], a[2], a[3], a[4], k) for a, k in answered] == [
         (last, 4228, 256, 64, {"data": None, "skip_conversations": 5136,
-                               "out_dir": os.path.join(w, "data", "qwen15-sharegpt-from5136")})] * (trainer.held(last) < 4228)
+                               "out_dir": os.path.join(w, "data", "qwen15-sharegpt-from5136")})]
     assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens + answered)
     data, extra = os.path.join(w, "data", "qwen15"), ",".join(os.path.join(w, "data", n) for n in (
         "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"))
@@ -1010,6 +1012,17 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     os.makedirs(tmp_path / "w2" / "falcon-stage3")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
     assert [a[2] for a, _ in gens][4:] == [960, 918, grown + 64, 4228]
+    # without vLLM: transformers answers what the file lacks, gen-data writing the answers into it after each shard
+    import importlib.util
+    real_spec, n_answered = importlib.util.find_spec, len(answered)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_spec(name, *a))
+    gens.clear()
+    os.makedirs(tmp_path / "w3" / "falcon-stage3")
+    trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w3"), log=logs.append)
+    assert len(answered) == n_answered
+    assert [(k["backend"], k["featurizer"], k["save_answers_to"]) for _, k in gens] == [("hf", "hf", None)] * 3 + [
+        ("hf", "hf", last)]
+    monkeypatch.setattr(importlib.util, "find_spec", real_spec)
     # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work) and trains the stages
     # on those alone (here stages 1-2: drafter v3's run), its trees fitted to the last; one whose set the recipe no
     # longer has is refused
