@@ -17,7 +17,7 @@ COMMANDS = {
     "serve": ("falcon_vllm.vllm.serve", "start vLLM's OpenAI-compatible server (same flags as `vllm serve`)"),
     "gen-data": ("falcon_vllm.train.gen_command", "regenerate conversations with the target and store its features"),
     "gen-prompts": ("falcon_vllm.train.gen_prompts", "sample user questions from the target itself (more prompts for gen-data)"),
-    "train": ("falcon_vllm.train.recipes", "train a Falcon (CSGD) or EAGLE drafter on stored features"),
+    "train": ("falcon_vllm.train.train_command", "train a Falcon (CSGD) or EAGLE drafter on stored features"),
     "convert": ("falcon_vllm.convert", "convert an official Falcon checkpoint to a falcon-vllm drafter dir"),
     "datastore": ("falcon_vllm.datastore", "store the target's answers for retrieval drafts (serving's datastore)"),
     "tune-tree": ("falcon_vllm.tune_tree", "fit a decoding tree to measured acceptance and verify cost"),

@@ -880,16 +880,16 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
     import argparse
 
     from falcon_vllm import models
-    from falcon_vllm.train import gen_data, recipes as trainer
+    from falcon_vllm.train import gen_data, recipes as trainer, train_command
 
     p = argparse.ArgumentParser()
-    trainer.add_arguments(p)
-    assert trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--threads", "2"])) == {}
+    train_command.add_arguments(p)
+    assert train_command.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--threads", "2"])) == {}
     args = p.parse_args(["--recipe", "smollm2", "--glance", "none", "--block-phase", "random", "--no-install"])
-    over = trainer.recipe_overrides(args)
+    over = train_command.recipe_overrides(args)
     assert over == {"glance": "none", "block_phase": "random"}
     with pytest.raises(SystemExit, match="given too: --max-conversations$"):
-        trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--lr", "1e-3", "--max-conversations", "10"]))
+        train_command.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--lr", "1e-3", "--max-conversations", "10"]))
     # through the command line every option given counts, its default value (--lr 1e-3) too
     from falcon_vllm.cli import main as cli_main
 
@@ -899,7 +899,7 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
         cli_main(["train", "--data", "d", "--out", "o", "--no-install"])
     with pytest.raises(SystemExit, match="--no-baseline applies to --recipe only"):
         cli_main(["train", "--data", "d", "--out", "o", "--no-baseline"])
-    assert trainer.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--no-baseline"])) == {}
+    assert train_command.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--no-baseline"])) == {}
 
     seen, installed = [], []
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")
@@ -932,17 +932,18 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     from falcon_vllm.train import gen_data, recipes as trainer
     from falcon_vllm.train.answer_files import answers_meta
 
-    gens, seen, fits, installed, logs, pinned_first = [], [], [], [], [], []
+    gens, seen, fits, installed, logs, pinned_first, order = [], [], [], [], [], [], []
     w = str(tmp_path / "w")
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / f"target-{a[0] if a else 'default'}")
 
     def gen(*a, **k):
         gens.append((a, k))
+        order.append("featurize")
         pinned_first.append(os.path.exists(os.path.join(w, "recipe_sets.json")))
 
     monkeypatch.setattr(gen_data, "run", gen)
     answered, real_held = [], trainer.held
-    monkeypatch.setattr(trainer, "answers_only", lambda *a, **k: answered.append((a, k)))
+    monkeypatch.setattr(trainer, "answers_only", lambda *a, **k: answered.append((a, k)) or order.append("answer"))
     # the fourth set's file as the recipe first meets it (not yet grown in the source tree)
     monkeypatch.setattr(trainer, "held", lambda f: 0 if f.endswith("-from5136.safetensors") else real_held(f))
     monkeypatch.setattr(trainer, "train", lambda cfg, log=None: seen.append(cfg) or {"final": {}, "out": cfg.out_dir})
@@ -975,7 +976,9 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
                     "vllm", "vllm", None),
                    ("data/qwen15-sharegpt-from5136", 4228, 256, os.path.exists(last) and os.path.basename(last) or None,
                     None, 5136, "vllm", "vllm", None)]
-    # what its file lacks is answered first through vLLM, into the file, the states kept in the set's directory
+    # what its file lacks is answered first through vLLM, into the file, the states kept in the set's directory,
+    # before any set is featurized (the answers are what a lost machine keeps)
+    assert order == ["answer"] + ["featurize"] * 4
     assert [(a[1], a[2], a[3], a[4], k) for a, k in answered] == [
         (last, 4228, 256, 64, {"data": None, "skip_conversations": 5136,
                                "out_dir": os.path.join(w, "data", "qwen15-sharegpt-from5136")})]
@@ -1078,7 +1081,7 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     import torch
 
     from falcon_vllm.cli import main as cli_main
-    from falcon_vllm.train import recipes
+    from falcon_vllm.train import recipe_status, recipes
     from falcon_vllm.train.answer_files import answers_meta
 
     w = tmp_path / "w"
@@ -1095,7 +1098,7 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
             for f in files]}))
 
     def status():
-        return recipes.recipe_status("qwen2.5-coder-1.5b", str(w))
+        return recipe_status.recipe_status("qwen2.5-coder-1.5b", str(w))
 
     lines = status()
     grown = int(answers_meta(os.path.join(recipes.ANSWERS, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
@@ -1169,8 +1172,31 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
                             "trains the baseline)")
     (w / "recipe_log.json").write_text('{"baseline": true}')  # (an older log: the baseline's stage was removed)
     assert status()[-1] == "next: eagle (run the same train --recipe command to resume)"
+    # a run begun before its sets were kept (counts alone): the sets it has begun, as the run itself keeps them
+    (w / "recipe_sets.json").write_text(json.dumps({"qwen15-sharegpt-from1296": 128}))
+    assert status()[1].startswith("sets qwen15-sharegpt-from5136: not in this run")
     with pytest.raises(SystemExit, match="--status applies to --recipe only"):
         cli_main(["train", "--status"])
+
+
+def test_recipe_status_answering_left(tmp_path):
+    """--status says how long the answering still to do takes, at the rate of the last run that grew such a file
+    (its answer tokens per conversation and per second), and that no rate is known before one has run."""
+    from falcon_vllm.train import recipe_status
+    from falcon_vllm.train.answer_files import write_answers
+
+    sets = [{"name": "a", "answers": str(tmp_path / "a.safetensors")},
+            {"name": "b", "answers": str(tmp_path / "b.safetensors")}]
+    assert recipe_status.answering_lines(sets, [100, 50]) == [
+        "answering: 150 conversations to answer (no rate measured yet)"]
+    runs = [{"dtype": "float32", "conversations": 8, "answer_tokens": 800, "seconds": 40.0},
+            {"dtype": "bfloat16", "conversations": 10, "answer_tokens": 2000, "seconds": 50.0}]
+    write_answers(sets[0]["answers"], [1] * 10, [1] * 10, list(range(11)), {"runs": json.dumps(runs)})
+    # 90 + 50 left, 200 answer tokens a conversation at 40 tokens/s: 700 s
+    assert recipe_status.answering_lines(sets, [100, 50]) == [
+        f"answering: about {700 / 3600:.1f} h left for 140 conversations at 40.0 answer tokens/s (200 a "
+        "conversation; bfloat16, the last run that answered)"]
+    assert recipe_status.answering_lines(sets, [10, 0]) == []
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own

@@ -1,27 +1,22 @@
-"""``falcon-vllm train``: one training run from its flags, or a whole known recipe (``--recipe``).
+"""The training recipes of ``falcon-vllm train --recipe`` (the command: :mod:`falcon_vllm.train.train_command`).
 
 A recipe is one command from nothing to trained drafters: gen-data for the target, the Falcon drafter
 (CSGD) and its EAGLE-1 baseline, each trained in stages (each later stage continues the one before with a
 new optimiser and schedule) on the same data with the same head, then what the shipped drafter serves with (the
 datastore of the answers trained on, or a tree fitted by ``tune-tree``), and the drafters installed into
-``falcon_vllm/drafters/`` where the recipe says so.  Every step resumes where it stopped.  The training flags are
-generated from :class:`falcon_vllm.train.config.TrainConfig`.
+``falcon_vllm/drafters/`` where the recipe says so.  Every step resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-
-import torch
 
 from falcon_vllm.config import dir_name
 from falcon_vllm.train import gen_data
 from falcon_vllm.train.answer_files import answers_meta
-from falcon_vllm.train.config import TrainConfig, add_config_arguments, config_from_args
-from falcon_vllm.train.data import TEACHER_CACHE
+from falcon_vllm.train.config import TrainConfig
 from falcon_vllm.train.grow import answers_only
 from falcon_vllm.train.trainer import train
 
@@ -141,7 +136,9 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
 
 def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], str]:
     """gen-data for recipe ``r`` under ``work/data``: each set of the run (``run_sets``) featurized from its stored
-    answers (in the source tree); what a set's answers file lacks is answered first, into that file.  Returns the
+    answers (in the source tree); what the sets' answers files lack is answered first, into those files, before
+    any set is featurized (the answers are what a lost machine keeps; their states are kept while answering where
+    the featurizer is vLLM).  Returns the
     sets' directories (the first is ``--data``: its last 1/16 held out; the others ``--extra-data``) and the first
     set's answers file."""
     import importlib.util
@@ -153,27 +150,34 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], st
     featurizer = r.get("featurizer", "hf") if backend == "vllm" else "hf"
     sets = run_sets(r, work, log)
     dirs, files = [], []
-    # each set's conversations as generated before (tokens only, in the source tree): featurized, not generated;
-    # every count fixed before the first set starts (a growing file's as it is now)
+    # each set's conversations as answered before (tokens only, in the source tree) are featurized, not answered
+    # again; every count fixed before the first set starts (a growing file's as it is now)
     counts = [s.get("num_conversations") or pinned_count(work, s["name"], os.path.join(ANSWERS, s["answers"]), log)
               for s in sets]
+    # what the sets' answers files lack is answered first: the answers (tokens, in the source tree) are what
+    # survives a lost machine; with the vLLM featurizer the states are kept while answering
     for s, n in zip(sets, counts):
         answers = os.path.join(ANSWERS, s["answers"])
-        d = set_dir(work, s)
-        data = os.path.join(ANSWERS, s["questions"]) if "questions" in s else None
-        missing = n - held(answers)
-        if missing > 0 and backend == "vllm":  # answered first, the file in the source tree growing shard by shard
+        if (missing := n - held(answers)) > 0 and backend == "vllm":
             log(f"{s['name']}: answering the {missing} of its {n} conversations that {s['answers']} lacks")
-            answers_only(target_dir, answers, n, r["max_new_tokens"], r["shard_size"], data=data,
+            answers_only(target_dir, answers, n, r["max_new_tokens"], r["shard_size"], data=questions(s),
                          skip_conversations=s.get("skip_conversations", 0),
-                         out_dir=d if featurizer == "vllm" else None)  # the states kept while answering
-        gen_data.run(target_dir, d, n, r["max_new_tokens"], shard_size=r["shard_size"], backend=backend,
-                     answers=answers if os.path.exists(answers) else None, data=data,
+                         out_dir=set_dir(work, s) if featurizer == "vllm" else None)
+    for s, n in zip(sets, counts):
+        answers = os.path.join(ANSWERS, s["answers"])
+        hf_answers = backend != "vllm" and n > held(answers)  # gen-data answers them, into the file
+        gen_data.run(target_dir, set_dir(work, s), n, r["max_new_tokens"], shard_size=r["shard_size"],
+                     backend=backend, answers=answers if os.path.exists(answers) else None, data=questions(s),
                      skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer,
-                     save_answers_to=answers if missing > 0 and backend != "vllm" else None)
-        dirs.append(d)
+                     save_answers_to=answers if hf_answers else None)
+        dirs.append(set_dir(work, s))
         files.append(answers)
     return dirs, files[0]
+
+
+def questions(s: dict) -> str | None:
+    """Set ``s``'s prompts file (ShareGPT JSON in the answers directory), None for ShareGPT itself."""
+    return os.path.join(ANSWERS, s["questions"]) if "questions" in s else None
 
 
 def held(answers: str) -> int:
@@ -210,22 +214,30 @@ def write_pins(work: str, pins: dict) -> None:
 
 
 def run_sets(r: dict, work: str, log) -> list[dict]:
-    """The sets of recipe ``r`` that the run in ``work`` trains on: those it began with, kept in
-    ``<work>/recipe_sets.json``, so that a run resumed under a newer recipe with more sets (its stages take hours)
-    trains both drafters on the data it began with; a new --work trains on them all."""
-    sets, pins = recipe_sets(r), read_pins(work)
-    if pins["sets"] is None:  # a new run: every set; a run begun before its sets were kept: those it has begun
-        begun = [s for s in sets if os.path.exists(os.path.join(set_dir(work, s), "manifest.json"))]
-        sets = begun if os.path.exists(os.path.join(work, "recipe_sets.json")) and begun else sets
-        write_pins(work, {**pins, "sets": [s["name"] for s in sets]})
-        return sets
-    if gone := [n for n in pins["sets"] if n not in {s["name"] for s in sets}]:
+    """The sets of recipe ``r`` that the run in ``work`` trains on (``began_with``), fixed in
+    ``<work>/recipe_sets.json`` when it first starts, so that a run resumed under a newer recipe with more sets (its
+    stages take hours) trains both drafters on the data it began with; a new --work trains on them all."""
+    pins = read_pins(work)
+    if pins["sets"] is not None and (gone := [n for n in pins["sets"] if n not in {s["name"] for s in recipe_sets(r)}]):
         raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with the sets {pins['sets']}; this "
                          f"recipe no longer has {gone}: finish it with the version of falcon-vllm that began it, or "
                          f"start a new --work")
-    if added := [s["name"] for s in sets if s["name"] not in pins["sets"]]:
+    sets = began_with(r, work, pins)
+    if pins["sets"] is None:
+        write_pins(work, {**pins, "sets": [s["name"] for s in sets]})
+    elif added := [s["name"] for s in recipe_sets(r) if s not in sets]:
         log(f"{', '.join(added)}: not in the run in {work} (it began without them): a new --work trains on them")
-    return [s for s in sets if s["name"] in pins["sets"]]
+    return sets
+
+
+def began_with(r: dict, work: str, pins: dict) -> list[dict]:
+    """The sets of recipe ``r`` the run in ``work`` began with (``pins``: ``read_pins``): those its pins name; every
+    set for a new run; a run begun before its sets were kept (its file holds counts alone): the sets it has begun."""
+    sets = recipe_sets(r)
+    if pins["sets"] is not None:
+        return [s for s in sets if s["name"] in pins["sets"]]
+    begun = [s for s in sets if os.path.exists(os.path.join(set_dir(work, s), "manifest.json"))]
+    return begun if os.path.exists(os.path.join(work, "recipe_sets.json")) and begun else sets
 
 
 def pinned_count(work: str, name: str, answers: str, log) -> int:
@@ -263,42 +275,47 @@ def fit_tree(r: dict, target_dir: str, drafter_dir: str, data: str, log) -> str:
 
 def train_stages(r: dict, out: str, dirs: list[str], log, **kw) -> dict:
     """Train recipe ``r``'s stages of one drafter (``TrainConfig`` fields ``kw``) into ``out``, ``out-stage2``, ..;
-    each later stage continues the one before (new optimiser and schedule), on the run's data sets ``dirs`` (the
-    first held out in part, the others extra) or the first ``train_sets`` of them.  A stage whose drafter is written
-    is kept as it is; one on sets the run began without is not trained (nor any after it).  Returns the last
-    stage's result."""
+    each later stage continues the one before (new optimiser and schedule), on the first of the run's data sets
+    ``dirs`` that ``stages`` gives it (the first held out in part, the others extra).  A stage whose drafter is
+    written is kept as it is; one on sets the run began without is not trained (nor any after it).  Returns the
+    last stage's result."""
     res, prev = None, None
     kept = run_stages(r, out, len(dirs))
-    for d, _ in stages(r, out)[len(kept):]:
+    for d, _, _ in stages(r, out)[len(kept):]:
         log(f"{d}: on sets this run began without: not trained in it")
-    for d, stage in kept:
-        stage = {"train_sets": r.get("train_sets"), **stage}
-        extra = ",".join(dirs[1:stage.pop("train_sets") or len(dirs)]) or None
+    for d, stage, n in kept:
         if os.path.exists(os.path.join(d, "model.safetensors")):
             log(f"{d}: trained (its drafter is written): kept")
             with open(os.path.join(d, "config.json")) as f:
                 record = json.load(f).get("falcon", {}).get("extra", {}).get("training", {})
             res = {"final": record.get("heldout"), "out": d}
         else:
+            extra = ",".join(dirs[1:n]) or None
             res = train(TrainConfig(d, **{**kw, **stage, "extra_data_dir": extra, "init_from": prev}), log=log)
         prev = d
     return res
 
 
-def run_stages(r: dict, out: str, num_sets: int) -> list[tuple[str, dict]]:
+def run_stages(r: dict, out: str, num_sets: int) -> list[tuple[str, dict, int]]:
     """``stages`` up to the first one on more sets than the run's ``num_sets`` (``train_stages`` stops there)."""
     kept = []
-    for d, stage in stages(r, out):
-        if (stage.get("train_sets", r.get("train_sets")) or len(recipe_sets(r))) > num_sets:
+    for stage in stages(r, out):
+        if stage[2] > num_sets:
             break
-        kept.append((d, stage))
+        kept.append(stage)
     return kept
 
 
-def stages(r: dict, out: str) -> list[tuple[str, dict]]:
-    """Recipe ``r``'s training stages of one drafter: each one's directory (``out``, ``out-stage2``, ..) and the
-    settings it changes from the first (none for the first)."""
-    return [(out if i == 0 else f"{out}-stage{i + 1}", s) for i, s in enumerate([{}] + r.get("continue", []))]
+def stages(r: dict, out: str) -> list[tuple[str, dict, int]]:
+    """Recipe ``r``'s training stages of one drafter: each one's directory (``out``, ``out-stage2``, ..), the
+    settings it changes from the first (none for the first), and the number of the recipe's sets it trains on (its
+    ``train_sets``, else the recipe's, else all)."""
+    out_stages = []
+    for i, s in enumerate([{}] + r.get("continue", [])):
+        s = dict(s)
+        n = s.pop("train_sets", r.get("train_sets")) or len(recipe_sets(r))
+        out_stages.append((out if i == 0 else f"{out}-stage{i + 1}", s, n))
+    return out_stages
 
 
 def save_datastore(r: dict, drafter_dir: str, answers: str, data: str, work: str) -> None:
@@ -330,103 +347,6 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         json.dump(cfg, f, indent=2)
 
 
-def recipe_status(name: str, work: str) -> list[str]:
-    """Lines that say where the recipe ``name``'s run in ``work`` stands, stage by stage, and which stage is next."""
-    r = RECIPES[name]
-    lines, todo = [f"recipe {name} in {work}"], []
-    pins = read_pins(work)
-    sets = [s for s in recipe_sets(r) if pins["sets"] is None or s["name"] in pins["sets"]]
-    if added := [s["name"] for s in recipe_sets(r) if s not in sets]:
-        lines.append(f"sets {', '.join(added)}: not in this run (it began without them; a new --work trains on them)")
-    counts, prefills, left_convs, per_conv = [], [], 0, []
-    for s in sets:
-        d = set_dir(work, s)
-        n = s.get("num_conversations") or pins["counts"].get(s["name"])
-        stored = held(os.path.join(ANSWERS, s["answers"]))
-        growing = n is None
-        if growing:  # its count is fixed when the run first starts: what its answers file holds now
-            n = stored
-        shards = (_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
-        shards = [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
-        have = sum(sh["conversations"] for sh in shards)
-        # what is left is a prefill of stored answers: its rate, from the shards written so (by when written)
-        prefills += [(os.path.getmtime(os.path.join(d, sh["file"])), sh["tokens"], sh.get("featurize_s", 0))
-                     for sh in shards if sh.get("from_answers")]
-        per_conv += [sh["tokens"] / sh["conversations"] for sh in shards if sh["conversations"]]
-        counts.append(n)
-        left_convs += max(min(n, stored) - have, 0)  # a prefill of stored answers (those to answer: while answered)
-        lines.append(f"data {s['name'] or '.'}: {have} of {n} conversations featurized "
-                     f"({len(shards)} of {math.ceil(n / r['shard_size'])} shards)"
-                     + (" (all its answers file holds now; fixed when the run starts)" if growing else "")
-                     + (f" ({n - stored} to answer first: {s['answers']} holds {stored})" if stored < n else ""))
-        if have < n:
-            todo.append("data")
-    if left_convs and per_conv and sum(p[2] for p in prefills):
-        def rate(part):
-            return sum(p[1] for p in part) / sum(p[2] for p in part)
-
-        recent = sorted(prefills)[-4:]  # the CPU's rate now (a shard that ran beside other work was slower)
-        hours = left_convs * sum(per_conv) / len(per_conv) / rate(recent) / 3600
-        lines.append(f"data: about {hours:.1f} h left at {rate(recent):.0f} tokens/s (the last {len(recent)} "
-                     f"prefilled shards; {rate(prefills):.0f} over all {len(prefills)})")
-    lines += teacher_lines(work, sets, counts)
-    for drafter, label in (("falcon", "Falcon"), ("eagle", "EAGLE-1")):
-        for d, stage in run_stages(r, os.path.join(work, drafter), len(sets)):
-            line, done = stage_line(d, stage.get("epochs", r.get(f"{drafter}_epochs", r["epochs"])))
-            lines.append(f"{label} {os.path.basename(d)}: {line}")
-            if not done:
-                todo.append(os.path.basename(d))
-        if drafter == "falcon" and "tune_tree" in r:
-            fitted = os.path.exists(os.path.join(d, "serving.json"))
-            lines.append(f"trees {os.path.basename(d)}/serving.json: {'fitted' if fitted else 'not yet'}")
-            if not fitted:
-                todo.append("tune-tree")
-    log = _json(os.path.join(work, "recipe_log.json"))
-    if todo and log is not None and not log.get("baseline", True) and all(t.startswith("eagle") for t in todo):
-        lines.append("finished without the EAGLE-1 baseline (--no-baseline; the same command without it trains the "
-                     "baseline)")
-    elif todo:
-        lines.append(f"next: {todo[0]} (run the same train --recipe command to resume)")
-    elif log is not None:
-        lines.append("finished (recipe_log.json)")
-    else:
-        lines.append("next: the last steps (run the same train --recipe command to finish)")
-    return lines
-
-
-def teacher_lines(work: str, sets: list, counts: list) -> list[str]:
-    """The teacher caches: one next to the first set (its conversations), one next to the second for the others."""
-    out = []
-    for label, s, want in [("first set", sets[0], counts[0])] + ([("other sets", sets[1], sum(counts[1:]))]
-                                                                  if len(sets) > 1 else []):
-        d = set_dir(work, s)
-        found = [(int(m[1]), bool(m[2])) for f in (os.listdir(d) if os.path.isdir(d) else [])
-                 if (m := TEACHER_CACHE.match(f))]
-        partial = [m for m, p in found if p or m < want]  # an interrupted build, or a run's of fewer sets
-        state = ("built" if (want, False) in found else f"{max(partial)} conversations so far (partial)" if partial
-                 else "not yet")
-        out.append(f"teacher cache ({label}, {want} conversations): {state}")
-    return out
-
-
-def stage_line(d: str, epochs: int) -> tuple[str, bool]:
-    """One training stage's state (trained, at a checkpoint's epoch and step, or not started) and whether it is done."""
-    if os.path.exists(os.path.join(d, "model.safetensors")):
-        return "trained", True
-    ck = os.path.join(d, "checkpoint.pt")
-    if not os.path.exists(ck):
-        return f"not started ({epochs} epochs)", False
-    c = torch.load(ck, map_location="cpu", weights_only=False, mmap=True)
-    st, total, timed = c["state"], c.get("total"), c.get("timed_steps")
-    age = (time.time() - os.path.getmtime(ck)) / 60
-    left = ""
-    if total and timed:  # checkpoints written before the trainer timed its steps say nothing of the time left
-        rate = c["seconds"] / timed
-        left = f"; about {(total - st['step']) * rate / 3600:.1f} h left at {rate:.1f} s a step"
-    return (f"epoch {st['epoch']} of {epochs} done, step {st['step']}{f' of {total}' if total else ''} "
-            f"(checkpoint.pt written {age:.0f} min ago{left})"), False
-
-
 def _json(path: str, tries: int = 5):
     """The JSON file at ``path`` (None if there is none), read again while a running recipe is rewriting it."""
     for i in range(tries):
@@ -439,78 +359,3 @@ def _json(path: str, tries: int = 5):
             if i == tries - 1:
                 raise
             time.sleep(0.2)
-
-
-def add_arguments(p):
-    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
-                   help="run a whole known recipe into --work (gen-data, the Falcon drafter and its EAGLE-1 baseline "
-                        "on the same data; smollm2 installs both into falcon_vllm/drafters/, qwen2.5-coder-1.5b "
-                        "fits the Falcon drafter's serving.json and installs nothing); resumable")
-    p.add_argument("--work", default=".cache/drafter-run", help="working directory of --recipe")
-    p.add_argument("--status", action="store_true",
-                   help="with --recipe: say where the run in --work stands (data, teacher caches, each training "
-                        "stage, the trees) and what it resumes next; runs nothing")
-    p.add_argument("--no-baseline", action="store_true",
-                   help="with --recipe: train the Falcon drafter alone, without its EAGLE-1 baseline (about half the "
-                        "training time); the same command without it later trains the baseline")
-    p.add_argument("--no-install", action="store_true",
-                   help="with --recipe: leave the trained drafters in --work instead of installing them into "
-                        "falcon_vllm/drafters/ (e.g. a variant of the recipe: --recipe smollm2 --glance none)")
-    add_config_arguments(p)
-    p.add_argument("--threads", type=int, default=None)
-
-
-def recipe_overrides(args) -> dict:
-    """The Falcon-stage flags (RECIPE_FALCON_FLAGS) given with --recipe; any other training flag given there would
-    be ignored by the recipe's own settings, so it is refused.  ``args.given``: the options given (``falcon-vllm
-    train`` sets it: falcon_vllm.cli.given_options); without it, those whose value differs from the default."""
-    import argparse
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
-    kept = ("work", "device", "threads", "no_install", "no_baseline", "status")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
-    given = getattr(args, "given", None)
-    given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept and k != "recipe"
-             and (k in given if given is not None else v != defaults[k])}
-    ignored = sorted(k for k in given if k not in RECIPE_FALCON_FLAGS)
-    if ignored:
-        def flags(names):
-            return ", ".join("--" + n.replace("_", "-") for n in names)
-
-        raise SystemExit(f"falcon-vllm: train: --recipe runs the recipe's own settings; it takes {flags(kept)} and, "
-                         f"for its Falcon stages, {flags(RECIPE_FALCON_FLAGS)}; given too: {flags(ignored)}")
-    return {k: v for k, v in given.items() if k in RECIPE_FALCON_FLAGS}
-
-
-def main(args):
-    from falcon_vllm.models import model_path
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.status and not args.recipe:
-        raise SystemExit("falcon-vllm: train: --status applies to --recipe only")
-    if args.status:
-        print("\n".join(recipe_status(args.recipe, args.work)))
-        return 0
-    if args.recipe:
-        print(json.dumps(run_recipe(args.recipe, args.work, install=not args.no_install, device=args.device,
-                                    falcon_overrides=recipe_overrides(args), baseline=not args.no_baseline), indent=1))
-        return 0
-    for flag in ("no_install", "no_baseline"):
-        if getattr(args, flag):
-            raise SystemExit(f"falcon-vllm: train: --{flag.replace('_', '-')} applies to --recipe only")
-    if not args.data or not args.out:
-        raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
-    res = train(config_from_args(args, target_dir=args.target or str(model_path())))
-    if res.get("stopped"):
-        state = res["state"]
-        print(f"falcon-vllm: train: stopped after epoch {state['epoch']} (step {state['step']}); the same command "
-              f"without --stop-after-epochs continues from {os.path.join(args.out, 'checkpoint.pt')}")
-        return 0
-    if res["final"] is None:  # not rank 0
-        return 0
-    with open(os.path.join(args.out, "training_log.json"), "w") as f:
-        json.dump({n: v for n, v in res.items() if n != "drafter"}, f, indent=1)
-    print(json.dumps(res["final"]))
-    return 0
