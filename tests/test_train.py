@@ -167,7 +167,7 @@ def test_resume_is_exact(tmp_path, target, data):
 
 
 def test_train_refuses_what_it_cannot_train_on(tmp_path, target, data):
-    """A checkpoint of a run with other settings, or unreadable; data of another target's width; too few
+    """A checkpoint of a run with other settings or other data, or unreadable; data of another target's width; too few
     conversations to train on: one clear error each, before any step (never a hang or a silent change)."""
     cfg = TrainConfig(str(tmp_path / "a"), k=2, epochs=2, batch_size=8, lr=1e-3, eval_every_epoch=False)
     kw = dict(samples=data, target=target, log=lambda *a: None)
@@ -176,6 +176,10 @@ def test_train_refuses_what_it_cannot_train_on(tmp_path, target, data):
                         (dict(batch_size=4), "batch_size 8 -> 4")]:
         with pytest.raises(ValueError, match=f"a run with other settings \\(.*{err}.*--no-resume"):
             train(replace(cfg, **change), **kw)
+    # other data (another --data, a set that grew): refused, with what the checkpoint's run trained on
+    with pytest.raises(ValueError, match=r"a run on other data \(training: 38 conversations, \d+ tokens -> 37, "
+                                         r"\d+; held out: .*--no-resume"):
+        train(cfg, **{**kw, "samples": data[:39]})
     train(replace(cfg, checkpoint_minutes=5.0, eval_roots=10), **kw)  # how the run is kept may change
     (tmp_path / "a" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="checkpoint.pt cannot be read"):

@@ -276,6 +276,13 @@ def outside_of(samples, others) -> list:
     return out
 
 
+def data_signature(train_set: list, val_set: list) -> dict:
+    """What a run trains and evaluates on, in conversations and tokens (kept with its checkpoint, so that the run
+    resumed on other data is refused rather than continued on it)."""
+    return {part: [len(s), sum(int(x.tokens.numel()) for x in s)] for part, s in (("training", train_set),
+                                                                                  ("held out", val_set))}
+
+
 def split_held_out(data: list) -> tuple[list, list, int]:
     """(training, held-out, left out): the last 1/16 of the conversations (at least one) are held out, less
     those whose prompt a training conversation also has (ShareGPT repeats questions: 67 of the last 579 of

@@ -37,8 +37,9 @@ import torch
 from falcon_vllm.config import FalconConfig
 from falcon_vllm.drafter import FalconDrafter
 from falcon_vllm.train.config import TrainConfig
-from falcon_vllm.train.data import (check_aux, crop_context, epoch_batches, frequent_tokens, make_batch, outside_of,
-                                    phase_batch, save_whole, split_held_out, to_device, with_teacher)
+from falcon_vllm.train.data import (check_aux, crop_context, data_signature, epoch_batches, frequent_tokens,
+                                    make_batch, outside_of, phase_batch, save_whole, split_held_out, to_device,
+                                    with_teacher)
 from falcon_vllm.train.evaluation import evaluate
 from falcon_vllm.train.gen_data import Sample, load_shards
 from falcon_vllm.train.losses import (add_noise, apply_glance, forward, glance_positions, lam, level_weights, losses,
@@ -276,6 +277,11 @@ def resume(run: Run, log) -> None:
                   if k in now and k not in RESUME_MAY_CHANGE and v != now[k]]:
         raise ValueError(f"falcon-vllm: train: {run.checkpoint} is a run with other settings ({'; '.join(differ)}); "
                          "give the same ones to resume it, or --no-resume (or another --out) to start afresh")
+    was, now = c.get("data"), data_signature(run.train_set, run.val_set)  # (None: written before it was kept)
+    if differ := [f"{k}: {was[k][0]} conversations, {was[k][1]} tokens -> {now[k][0]}, {now[k][1]}" for k in was or {}
+                  if was[k] != now.get(k)]:
+        raise ValueError(f"falcon-vllm: train: {run.checkpoint} is a run on other data ({'; '.join(differ)}); give "
+                         "it the data it began with to resume it, or --no-resume (or another --out) to start afresh")
     run.drafter.load_state_dict(c["model"])
     run.opt.load_state_dict(c["opt"])
     run.sched.load_state_dict(c["sched"])
@@ -359,6 +365,7 @@ def save_checkpoint(run: Run) -> None:
     if run.rank == 0:
         save_whole({"model": run.drafter.state_dict(), "opt": run.opt.state_dict(), "sched": run.sched.state_dict(),
                     "state": run.state, "world": run.world, "total": run.total, "config": asdict(run.cfg),
+                    "data": data_signature(run.train_set, run.val_set),
                     "seconds": round(run.seconds, 1), "timed_steps": run.timed_steps,
                     **random_state(run.rng, run.gen)}, run.checkpoint)
     if run.world > 1:
