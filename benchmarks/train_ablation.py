@@ -32,6 +32,8 @@ VARIANTS = {
     "csgd-mask": (["--glance-loss", "mask"], "glanced positions removed from the loss (GLAT)"),
     "csgd-paperlam": (["--lambda-schedule", "paper"], "paper lambda 0.4*(E-e)/E"),
     "csgd-fixednoise": (["--noise", "fixed"], "fixed U(-0.1, 0.1) noise (paper)"),
+    "csgd-bf16": (["--bf16"], "CSGD with bf16 autocast (fp32 weights and optimiser): the same drafter, faster where "
+                              "the CPU computes bf16 natively?"),
 }
 
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env python
 """Drafter training speed: seconds per optimisation step of the real trainer (``falcon_vllm.train.trainer.train``)
-on synthetic data shaped like the recipe's, on the CPU or a CUDA GPU.  Self-contained: no vLLM, no model
-weights, no gen-data (a random-weight target with SmolLM2-135M-Instruct's shapes, random tokens and features).
+on synthetic data shaped like a recipe's, on the CPU or a CUDA GPU.  Self-contained: no vLLM, no model
+weights, no gen-data (a random-weight target with the recipe target's shapes, random tokens and features).
 
     python benchmarks/train_speed.py --device cpu --steps 6 --threads 2 --out /tmp/ts_cpu.json
     python benchmarks/train_speed.py --device cuda --bf16 --steps 50 --out /tmp/ts_cuda_bf16.json
     python benchmarks/train_speed.py --mode eagle --device cuda --bf16 --steps 50 --out /tmp/ts_cuda_eagle.json
+    python benchmarks/train_speed.py --recipe qwen2.5-coder-1.5b --bf16 --steps 8 --out /tmp/ts_qwen_bf16.json
 
-Settings: the shipped recipe's last Falcon stage (k=2, fc fusion, 2 layers, reversed block order, draft vocab
-8192, batch 8, lr 3e-4, teacher top-64, tree falcon-llama); ``--mode eagle``: its EAGLE-1 baseline (k=1, fc,
-1 layer, no glancing, tree eagle-small).  Conversations: a prompt of 64-128 context tokens (the trainer keeps
-128) and a 136-160-token answer (loss mask), features N(0, 2^2) in bf16; by default just enough of them that
+Settings (``--recipe``, default smollm2): the recipe's Falcon stage as ``train --recipe`` runs it at its last
+stage's lr (smollm2: k=2, fc fusion, 2 layers, reversed block order, draft vocab 8192; qwen2.5-coder-1.5b: 1 layer
+with its MLP narrowed to 3,584, frozen 16,384-token head), batch 8, teacher top-64; ``--mode eagle``: its EAGLE-1
+baseline (k=1, fc, 1 layer, no glancing, tree eagle-small).  Conversations: smollm2's a prompt of 64-128 context
+tokens (the trainer keeps 128) and a 136-160-token answer (loss mask), qwen2.5-coder-1.5b's 40-128 and 120-256;
+features N(0, 2^2) in bf16; by default just enough of them that
 every step falls in one epoch (an epoch end writes a checkpoint).  A step's time is the interval between the
 ends of consecutive ``train_step`` calls (batch assembly and host-to-device copy included; CUDA synchronized),
 the first ``--warmup`` steps excluded.  Set-up (target, samples, teacher cache, drafter) and the final held-out
@@ -37,11 +40,26 @@ from falcon_vllm.train.gen_data import Sample
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
                rms_norm_eps=1e-5)
-_R = recipes.RECIPES["smollm2"]  # the shipped recipe's drafter settings, as run_recipe passes them to TrainConfig
-RECIPE = {"falcon": dict(k=_R["k"], fusion=_R["fusion"], layers=_R["falcon_layers"],
-                         block_order=_R["falcon_block_order"], tree=_R["tree"]),
-          "eagle": dict(mode="eagle", tree=_R["eagle_tree"])}
-LAST_STAGE_LR = _R["continue"][-1]["lr"]
+# Qwen2.5-Coder-1.5B-Instruct's shapes with one decoder layer: the trainer reads only the target's config, embeddings
+# and LM head
+QWEN15 = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=2,
+              intermediate_size=8960, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
+              rms_norm_eps=1e-6)
+# per recipe: the target's shapes and its model class, and the conversations' prompt and answer lengths (the answers
+# up to the recipe's max_new_tokens)
+SHAPES = {"smollm2": (SMOLLM2, "llama", (64, 128), (136, 160)),
+          "qwen2.5-coder-1.5b": (QWEN15, "qwen2", (40, 128), (120, 256))}
+
+
+def recipe_settings(name: str, mode: str) -> dict:
+    """The recipe's TrainConfig settings of its Falcon stage or EAGLE-1 baseline, as run_recipe passes them (its last
+    stage's lr)."""
+    r = recipes.RECIPES[name]
+    common = dict(r.get("train", {}), lr=r["continue"][-1]["lr"], batch_size=r["batch_size"])
+    if mode == "eagle":
+        return dict(common, mode="eagle", tree=r["eagle_tree"])
+    return dict(common, k=r["k"], fusion=r["fusion"], layers=r.get("falcon_layers", 1),
+                block_order=r.get("falcon_block_order", "forward"), tree=r["tree"])
 
 
 def build_target(args):
@@ -51,19 +69,24 @@ def build_target(args):
     if args.tiny:
         from falcon_vllm.testing import tiny_llama
         return tiny_llama(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, inter=128)
-    from transformers import LlamaConfig, LlamaForCausalLM  # the trainer uses its config, embeddings and LM head
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shapes, kind = SHAPES[args.recipe][:2]  # the trainer uses its config, embeddings and LM head
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SMOLLM2)).float().eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**shapes)).float().eval()
+    return LlamaForCausalLM(LlamaConfig(**shapes)).float().eval()
 
 
 def make_samples(n: int, vocab: int, hidden: int, seed: int = 0, feature_std: float = 2.0,
-                 fixed_length: bool = False) -> list[Sample]:
+                 fixed_length: bool = False, prompt=(64, 128), answer=(136, 160)) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        p, a = int(torch.randint(64, 129, (1,), generator=g)), int(torch.randint(136, 161, (1,), generator=g))
+        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        a = int(torch.randint(answer[0], answer[1] + 1, (1,), generator=g))
         if fixed_length:  # every batch the same shape (tells per-shape set-up costs from per-step costs)
-            p, a = 128, 160
+            p, a = prompt[1], answer[1]
         mask = torch.zeros(p + a, dtype=torch.bool)
         mask[p:] = True
         feats = (torch.randn(p + a, hidden, generator=g) * feature_std).to(torch.bfloat16)
@@ -101,9 +124,10 @@ def run(args) -> dict:
     V, H = target.config.vocab_size, target.config.hidden_size
     n = args.conversations or default_conversations(total, args.batch_size)
     t0 = time.perf_counter()
-    samples = make_samples(n, V, H, fixed_length=args.fixed_length)
+    prompt, answer = SHAPES[args.recipe][2:]
+    samples = make_samples(n, V, H, fixed_length=args.fixed_length, prompt=prompt, answer=answer)
     t_samples = time.perf_counter() - t0
-    draft_vocab = min(_R["draft_vocab"], V // 2)
+    draft_vocab = min(recipes.RECIPES[args.recipe]["draft_vocab"], V // 2)
     rec = {"t_teacher": 0.0, "ends": [], "starts": [], "epochs": [], "losses": [], "positions": [], "answer": [],
            "convs": []}
     step, cache = trainer.train_step, data.teacher_cache
@@ -135,11 +159,11 @@ def run(args) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
-        cfg = trainer.TrainConfig(os.path.join(tmp, "drafter"), **RECIPE[args.mode], epochs=2,
-                                  batch_size=args.batch_size, lr=LAST_STAGE_LR, max_steps=total, teacher_topk=64,
-                                  draft_vocab=draft_vocab, bf16=args.bf16, device=args.device, eval_every_epoch=False,
-                                  resume=False, eval_roots=args.eval_roots,
-                                  logit_positions=args.logit_positions or None)
+        cfg = trainer.TrainConfig(os.path.join(tmp, "drafter"), **{
+            **recipe_settings(args.recipe, args.mode), "batch_size": args.batch_size, "epochs": 2, "max_steps": total,
+            "teacher_topk": 64, "draft_vocab": draft_vocab, "bf16": args.bf16, "device": args.device,
+            "eval_every_epoch": False, "resume": False, "eval_roots": args.eval_roots,
+            "logit_positions": args.logit_positions or None})
         trainer.train_step, data.teacher_cache = timed_step, timed_cache
         try:
             t_train = time.perf_counter()
@@ -156,7 +180,7 @@ def run(args) -> dict:
         "command": "python benchmarks/train_speed.py " + " ".join(args.argv), "mode": args.mode,
         "device": args.device, "device_name": device_name(args.device), "bf16": args.bf16,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target_dir or
-        ("tiny" if args.tiny else "random SmolLM2-135M-Instruct shapes"), "vocab": V, "hidden": H,
+        ("tiny" if args.tiny else f"random {args.recipe} shapes"), "recipe": args.recipe, "vocab": V, "hidden": H,
         "draft_vocab": draft_vocab, "batch_size": args.batch_size, "conversations": n,
         "train_conversations": res["final"]["train_conversations"], "warmup_steps": w, "timed_steps": len(dts),
         "setup_s": {"target": round(t_target, 3), "samples": round(t_samples, 3),
@@ -178,6 +202,14 @@ def run(args) -> dict:
         "final": res["final"]}
 
 
+def lengths(r: dict) -> str:
+    """The conversations' lengths in tokens (prompt + answer)."""
+    prompt, answer = SHAPES[r.get("recipe", "smollm2")][2:]
+    if r["fixed_length"]:
+        return f"all {prompt[1] + answer[1]}"
+    return f"{prompt[0] + answer[0]}-{prompt[1] + answer[1]}"
+
+
 def markdown(r: dict) -> str:
     s = r["setup_s"]
     rows = [("device", f"{r['device_name']} ({r['device']}{', bf16 autocast' if r['bf16'] else ', fp32'})"),
@@ -187,7 +219,7 @@ def markdown(r: dict) -> str:
             ("warm-up steps", f"{r['warmup_steps']} ({r['warmup_s']:.2f} s)"),
             ("s/step (mean, median, min)", f"{r['s_per_step']:.4f}, {r['s_per_step_median']:.4f}, "
                                            f"{r['s_per_step_min']:.4f} over {r['timed_steps']} steps"),
-            ("attention kernels, lengths", f"sdp {r['sdp']}, {'all 288' if r['fixed_length'] else '200-288'}"),
+            ("attention kernels, lengths", f"sdp {r['sdp']}, {lengths(r)}"),
             ("LM-head rows per batch", r["logit_positions"] or "all loss positions"),
             ("steps/s", f"{r['steps_per_s']:.3f}"), ("conversations/s", f"{r['conversations_per_s']:.2f}"),
             ("tokens/s (positions, answer tokens)", f"{r['positions_per_s']:.0f}, {r['answer_tokens_per_s']:.0f}"),
@@ -204,15 +236,17 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=6, help="timed optimisation steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=3, 
                    help="first steps run but not timed (>= 1: the first includes lazy initialisation)")
-    p.add_argument("--mode", choices=sorted(RECIPE), default="falcon",
+    p.add_argument("--recipe", choices=sorted(SHAPES), default="smollm2",
+                   help="whose drafter, data lengths and target shapes (random weights; `train --recipe`'s settings)")
+    p.add_argument("--mode", choices=["eagle", "falcon"], default="falcon",
                    help="falcon: the recipe's Falcon stage; eagle: its EAGLE-1 baseline")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--conversations", type=int, default=None,
                    help="synthetic conversations, 1/16 held out (default: all steps in one epoch, full batches, "
                         ">= 60 trained on)")
-    p.add_argument("--batch-size", type=int, default=_R["batch_size"], help="conversations per step (the recipe's)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations per step (both recipes': 8)")
     p.add_argument("--eval-roots", type=int, default=8, help="tree roots of the trainer's final held-out eval")
-    p.add_argument("--target-dir", default=None, help="load this HF target dir instead of random SmolLM2 shapes")
+    p.add_argument("--target-dir", default=None, help="load this HF target dir instead of the recipe's random shapes")
     p.add_argument("--tiny", action="store_true", help="a tiny random target (vocab 512, hidden 64): for tests")
     p.add_argument("--sdp", default="default", choices=["default", "no-cudnn", "flash", "mem_efficient", "math"],
                    help="CUDA: which scaled_dot_product_attention kernels torch may use "
@@ -220,7 +254,8 @@ def main(argv=None) -> dict:
     p.add_argument("--logit-positions", type=int, default=trainer.TrainConfig.logit_positions,
                    help="LM-head rows per batch for the token losses (the trainer's flag; 0 = all loss positions)")
     p.add_argument("--fixed-length", action="store_true",
-                   help="every conversation 128 + 160 tokens (default: 64-128 + 136-160): one batch shape")
+                   help="every conversation the longest prompt and answer (smollm2: 128 + 160; default: random "
+                        "lengths, smollm2 64-128 + 136-160, qwen2.5-coder-1.5b 40-128 + 120-256): one batch shape")
     p.add_argument("--out", default=None, help="JSON result path (a .md is written next to it)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

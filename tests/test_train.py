@@ -180,7 +180,8 @@ def test_train_refuses_what_it_cannot_train_on(tmp_path, target, data):
     with pytest.raises(ValueError, match=r"a run on other data \(training: 38 conversations, \d+ tokens -> 37, "
                                          r"\d+; held out: .*--no-resume"):
         train(cfg, **{**kw, "samples": data[:39]})
-    train(replace(cfg, checkpoint_minutes=5.0, eval_roots=10), **kw)  # how the run is kept may change
+    # how the run is kept, and the precision its steps compute in (a run moved to another machine), may change
+    train(replace(cfg, checkpoint_minutes=5.0, eval_roots=10, bf16=True), **kw)
     (tmp_path / "a" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="checkpoint.pt cannot be read"):
         train(cfg, **kw)
@@ -994,6 +995,8 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
              c.extra_data_dir) for c in seen] == [
         row for m in ("falcon", "eagle") for row in ((m, m, None, 5, 4e-4, v3), (m, f"{m}-stage2", m, 3, 2e-4, v3),
                                                     (m, f"{m}-stage3", f"{m}-stage2", 3, 2e-4, extra))]
+    # bf16 autocast where this machine computes bf16 natively
+    assert {c.bf16 for c in seen if c != "tune-tree"} == {trainer.train_bf16("cpu")}
     # the same data, head and MLP width for both drafters; the Falcon stages in v2's architecture
     assert {(c.data_dir, c.draft_vocab, c.train_draft_head, c.intermediate_size, c.layers,
              c.max_conversations) for c in seen} == {(data, 16384, False, 3584, 1, None)}
@@ -1075,6 +1078,19 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         ("falcon", "falcon-stage3", "falcon-stage2"), ("eagle", "eagle", ""), ("eagle", "eagle-stage2", "eagle"),
         ("eagle", "eagle-stage3", "eagle-stage2")]
     assert any(m.endswith("falcon-stage2: trained (its drafter is written): kept") for m in logs)
+
+
+def test_recipes_train_in_bf16_where_the_device_computes_it_natively(monkeypatch):
+    """bf16 autocast on a GPU or a CPU with AVX512-BF16 or AMX; fp32 on a CPU that emulates bf16 (26x slower)."""
+    import torch
+
+    from falcon_vllm.train import recipes
+
+    for avx512_bf16, amx, want in [(True, False, True), (False, True, True), (False, False, False)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert recipes.train_bf16("cpu") is want
+        assert recipes.train_bf16("cuda") and recipes.train_bf16("cuda:1")
 
 
 def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):

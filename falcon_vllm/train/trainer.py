@@ -254,10 +254,11 @@ class Run:
         return os.path.join(self.cfg.out_dir, f"rng_rank{self.rank}.pt")
 
 
-# TrainConfig fields a resumed run may change: where things are, how the run is kept, and its length (a run
-# continued for more epochs), not what it trains
-RESUME_MAY_CHANGE = ("out_dir", "data_dir", "extra_data_dir", "target_dir", "init_from", "device", "resume",
-                     "eval_every_epoch", "eval_roots", "save_dtype", "stop_after_epochs", "stop_after_steps",
+# TrainConfig fields a resumed run may change: where things are, how the run is kept, where and in which precision
+# its steps compute (a run moved to another machine), and its length (a run continued for more epochs), not what
+# it trains
+RESUME_MAY_CHANGE = ("out_dir", "data_dir", "extra_data_dir", "target_dir", "init_from", "device", "bf16",
+                     "resume", "eval_every_epoch", "eval_roots", "save_dtype", "stop_after_epochs", "stop_after_steps",
                      "checkpoint_minutes", "epochs", "max_steps")
 
 
