@@ -16,8 +16,8 @@ import torch
 
 from falcon_vllm.train.answer_files import answers_meta
 from falcon_vllm.train.data import TEACHER_CACHE
-from falcon_vllm.train.recipes import (ANSWERS, RECIPES, _json, began_with, held, read_pins, recipe_sets, run_stages,
-                                       set_dir)
+from falcon_vllm.train.recipes import (ANSWERS, RECIPES, began_with, held, read_json, read_pins, recipe_sets,
+                                       run_stages, set_dir)
 
 
 def recipe_status(name: str, work: str) -> list[str]:
@@ -36,7 +36,7 @@ def recipe_status(name: str, work: str) -> list[str]:
         growing = n is None
         if growing:  # its count is fixed when the run first starts: what its answers file holds now
             n = stored
-        shards = (_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
+        shards = (read_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
         shards = [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
         have = sum(sh["conversations"] for sh in shards)
         # what is left is a prefill of stored answers: its rate, from the shards written so (by when written)
@@ -71,7 +71,7 @@ def recipe_status(name: str, work: str) -> list[str]:
             lines.append(f"trees {os.path.basename(d)}/serving.json: {'fitted' if fitted else 'not yet'}")
             if not fitted:
                 todo.append("tune-tree")
-    log = _json(os.path.join(work, "recipe_log.json"))
+    log = read_json(os.path.join(work, "recipe_log.json"))
     if todo and log is not None and not log.get("baseline", True) and all(t.startswith("eagle") for t in todo):
         lines.append("finished without the EAGLE-1 baseline (--no-baseline; the same command without it trains the "
                      "baseline)")

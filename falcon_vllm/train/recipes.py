@@ -102,7 +102,8 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     t_data = time.time() - t0
     common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"],
                   batch_size=r["batch_size"], lr=r["lr"], draft_vocab=r["draft_vocab"], save_dtype="bfloat16",
-                  device=device, bf16=train_bf16(device), max_conversations=r.get("max_conversations"), **r.get("train", {}))
+                  device=device, bf16=train_bf16(device), max_conversations=r.get("max_conversations"),
+                  **r.get("train", {}))
     fal = train_stages(r, os.path.join(work, "falcon"), dirs, log, k=r["k"], fusion=r["fusion"], tree=r["tree"],
                        layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
                        **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}, **falcon_overrides)
@@ -138,7 +139,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
 
 def train_bf16(device: str) -> bool:
     """Whether a recipe's stages train with bf16 autocast (fp32 weights and optimiser): where ``device`` computes
-    bf16 natively, a GPU or a CPU with AVX512-BF16 or AMX (a step of the Qwen drafter 1.75x faster than fp32 on
+    bf16 natively, a GPU or a CPU with AVX512-BF16 or AMX (a step of the Qwen drafter 1.8-2.0x faster than fp32 on
     AVX512-BF16, the same held-out top-1: training_bf16_smollm2); not where bf16 is emulated (26x slower)."""
     if device.startswith("cuda"):
         return True
@@ -149,9 +150,8 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], st
     """gen-data for recipe ``r`` under ``work/data``: each set of the run (``run_sets``) featurized from its stored
     answers (in the source tree); what the sets' answers files lack is answered first, into those files, before
     any set is featurized (the answers are what a lost machine keeps; their states are kept while answering where
-    the featurizer is vLLM).  Returns the
-    sets' directories (the first is ``--data``: its last 1/16 held out; the others ``--extra-data``) and the first
-    set's answers file."""
+    the featurizer is vLLM).  Returns the sets' directories (the first is ``--data``: its last 1/16 held out; the
+    others ``--extra-data``) and the first set's answers file."""
     import importlib.util
 
     backend = r["backend"]
@@ -210,7 +210,7 @@ def set_dir(work: str, s: dict) -> str:
 def read_pins(work: str) -> dict:
     """What ``<work>/recipe_sets.json`` fixed when the run first started: ``sets``, the names of the sets it trains
     on (None before it was kept), and ``counts``, the conversations of each set without a count."""
-    raw = _json(os.path.join(work, "recipe_sets.json")) or {}
+    raw = read_json(os.path.join(work, "recipe_sets.json")) or {}
     if "sets" in raw or "counts" in raw:
         return {"sets": raw.get("sets"), "counts": raw.get("counts", {})}
     return {"sets": None, "counts": raw}  # written before the run kept its sets: the counts alone
@@ -358,7 +358,7 @@ def install_drafter(src: str, dst: str, files=("config.json", "model.safetensors
         json.dump(cfg, f, indent=2)
 
 
-def _json(path: str, tries: int = 5):
+def read_json(path: str, tries: int = 5):
     """The JSON file at ``path`` (None if there is none), read again while a running recipe is rewriting it."""
     for i in range(tries):
         if not os.path.exists(path):

@@ -44,7 +44,8 @@ def recipe_overrides(args) -> dict:
     p = argparse.ArgumentParser()
     add_arguments(p)
     defaults = vars(p.parse_args([]))
-    kept = ("work", "device", "threads", "no_install", "no_baseline", "status")  # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
+    # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
+    kept = ("work", "device", "threads", "no_install", "no_baseline", "status")
     given = getattr(args, "given", None)
     given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept and k != "recipe"
              and (k in given if given is not None else v != defaults[k])}
