@@ -1200,23 +1200,40 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
 
 
 def test_recipe_status_answering_left(tmp_path):
-    """--status says how long the answering still to do takes, at the rate of the last run that grew such a file
-    (its answer tokens per conversation and per second), and that no rate is known before one has run."""
+    """--status says how long the answering still to do takes: at the rate of the last four shards answered into
+    the sets' directories (the CPU's rate now), else of the last run that grew such a file (its answer tokens per
+    conversation and per second), and that no rate is known before one has run."""
     from falcon_vllm.train import recipe_status
     from falcon_vllm.train.answer_files import write_answers
 
     sets = [{"name": "a", "answers": str(tmp_path / "a.safetensors")},
             {"name": "b", "answers": str(tmp_path / "b.safetensors")}]
-    assert recipe_status.answering_lines(sets, [100, 50]) == [
-        "answering: 150 conversations to answer (no rate measured yet)"]
+
+    def lines(counts):
+        return recipe_status.answering_lines(str(tmp_path / "w"), sets, counts)
+
+    assert lines([100, 50]) == ["answering: 150 conversations to answer (no rate measured yet)"]
     runs = [{"dtype": "float32", "conversations": 8, "answer_tokens": 800, "seconds": 40.0},
             {"dtype": "bfloat16", "conversations": 10, "answer_tokens": 2000, "seconds": 50.0}]
     write_answers(sets[0]["answers"], [1] * 10, [1] * 10, list(range(11)), {"runs": json.dumps(runs)})
     # 90 + 50 left, 200 answer tokens a conversation at 40 tokens/s: 700 s
-    assert recipe_status.answering_lines(sets, [100, 50]) == [
+    assert lines([100, 50]) == [
         f"answering: about {700 / 3600:.1f} h left for 140 conversations at 40.0 answer tokens/s (200 a "
         "conversation; bfloat16, the last run that answered)"]
-    assert recipe_status.answering_lines(sets, [10, 0]) == []
+    # shards answered into the set's directory: the last four (by when written), 100 tokens a conversation at 50/s
+    d = tmp_path / "w" / "data" / "a"
+    d.mkdir(parents=True)
+    entries = []
+    for i, secs in enumerate([1000.0, 20.0, 20.0, 20.0, 20.0]):  # the first ran beside other work
+        (d / f"shard_{i:05d}.safetensors").write_bytes(b"")
+        os.utime(d / f"shard_{i:05d}.safetensors", (i, i))
+        entries.append({"file": f"shard_{i:05d}.safetensors", "conversations": 10, "answer_tokens": 1000,
+                        "generate_s": secs})
+    (d / "manifest.json").write_text(json.dumps({"shards": entries}))
+    assert lines([100, 50]) == [
+        f"answering: about {140 * 100 / 50 / 3600:.1f} h left for 140 conversations at 50.0 answer tokens/s (100 a "
+        "conversation; the last 4 shards answered)"]
+    assert lines([10, 0]) == []
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own

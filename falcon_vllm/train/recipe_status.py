@@ -59,7 +59,7 @@ def recipe_status(name: str, work: str) -> list[str]:
         hours = left_convs * sum(per_conv) / len(per_conv) / rate(recent) / 3600
         lines.append(f"data: about {hours:.1f} h left at {rate(recent):.0f} tokens/s (the last {len(recent)} "
                      f"prefilled shards; {rate(prefills):.0f} over all {len(prefills)})")
-    lines += answering_lines(sets, counts) + teacher_lines(work, sets, counts)
+    lines += answering_lines(work, sets, counts) + teacher_lines(work, sets, counts)
     for drafter, label in (("falcon", "Falcon"), ("eagle", "EAGLE-1")):
         for d, stage, _ in run_stages(r, os.path.join(work, drafter), len(sets)):
             line, done = stage_line(d, stage.get("epochs", r.get(f"{drafter}_epochs", r["epochs"])))
@@ -84,25 +84,36 @@ def recipe_status(name: str, work: str) -> list[str]:
     return lines
 
 
-def answering_lines(sets: list, counts: list) -> list[str]:
+def answering_lines(work: str, sets: list, counts: list) -> list[str]:
     """The answering still to do (sets whose answers files hold fewer conversations than their counts), with the
-    hours left at the rate of the latest run that grew such a file (its answer tokens per conversation and per
-    second)."""
-    left, last = 0, None
+    hours left at the rate of the last four shards answered into those sets' directories (the CPU's rate now), else
+    of the latest run that grew such a file (its answer tokens per conversation and per second)."""
+    left, last, shards = 0, None, []
     for s, n in zip(sets, counts):
-        path = os.path.join(ANSWERS, s["answers"])
-        if n > held(path):
-            left += n - held(path)
-            runs = [x for x in json.loads(answers_meta(path).get("runs", "[]")) if x.get("seconds")] \
-                if os.path.exists(path) else []
-            last = runs[-1] if runs else last
+        path, d = os.path.join(ANSWERS, s["answers"]), set_dir(work, s)
+        if n <= held(path):
+            continue
+        left += n - held(path)
+        runs = [x for x in json.loads(answers_meta(path).get("runs", "[]")) if x.get("seconds")] \
+            if os.path.exists(path) else []
+        last = runs[-1] if runs else last
+        shards += [(os.path.getmtime(os.path.join(d, sh["file"])), sh["answer_tokens"], sh["generate_s"],
+                    sh["conversations"]) for sh in (read_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
+                   if sh.get("generate_s") and "answer_tokens" in sh and os.path.exists(os.path.join(d, sh["file"]))]
     if not left:
         return []
-    if last is None:
+    if shards:
+        recent = sorted(shards)[-4:]
+        tokens, seconds, convs = (sum(x[i] for x in recent) for i in (1, 2, 3))
+        how = f"the last {len(recent)} shards answered"
+    elif last is not None:
+        tokens, seconds, convs = last["answer_tokens"], last["seconds"], last["conversations"]
+        how = f"{last['dtype']}, the last run that answered"
+    else:
         return [f"answering: {left} conversations to answer (no rate measured yet)"]
-    rate, per_conv = last["answer_tokens"] / last["seconds"], last["answer_tokens"] / last["conversations"]
+    rate, per_conv = tokens / seconds, tokens / convs
     return [f"answering: about {left * per_conv / rate / 3600:.1f} h left for {left} conversations at {rate:.1f} "
-            f"answer tokens/s ({per_conv:.0f} a conversation; {last['dtype']}, the last run that answered)"]
+            f"answer tokens/s ({per_conv:.0f} a conversation; {how})"]
 
 
 def teacher_lines(work: str, sets: list, counts: list) -> list[str]:
