@@ -1082,13 +1082,12 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
 
 def test_recipes_train_in_bf16_where_the_device_computes_it_natively(monkeypatch):
     """bf16 autocast on a GPU or a CPU with AVX512-BF16 or AMX; fp32 on a CPU that emulates bf16 (26x slower)."""
-    import torch
-
     from falcon_vllm.train import recipes
+    from falcon_vllm.vllm import capture
 
     for avx512_bf16, amx, want in [(True, False, True), (False, True, True), (False, False, False)]:
-        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        flags = {"avx512f"} | ({"avx512_bf16"} if avx512_bf16 else set()) | ({"amx_bf16", "amx_tile"} if amx else set())
+        monkeypatch.setattr(capture, "cpu_flags", lambda f=flags: f)
         assert recipes.train_bf16("cpu") is want
         assert recipes.train_bf16("cuda") and recipes.train_bf16("cuda:1")
 

@@ -13,8 +13,6 @@ import json
 import os
 import time
 
-import torch
-
 from falcon_vllm.config import dir_name
 from falcon_vllm.train import gen_data
 from falcon_vllm.train.answer_files import answers_meta
@@ -140,10 +138,11 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
 def train_bf16(device: str) -> bool:
     """Whether a recipe's stages train with bf16 autocast (fp32 weights and optimiser): where ``device`` computes
     bf16 natively, a GPU or a CPU with AVX512-BF16 or AMX (a step of the Qwen drafter 1.8-2.0x faster than fp32 on
-    AVX512-BF16, the same held-out top-1: training_bf16_smollm2); not where bf16 is emulated (26x slower)."""
-    if device.startswith("cuda"):
-        return True
-    return device == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    AVX512-BF16, the same held-out top-1: training_bf16_smollm2); not where bf16 is emulated (26x slower).  The same
+    rule as the features' dtype (``gen-data --featurize-dtype auto``)."""
+    from falcon_vllm.vllm.capture import cpu_bf16  # imports no vLLM
+
+    return device.startswith("cuda") or (device == "cpu" and cpu_bf16())
 
 
 def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], str]:

@@ -114,14 +114,21 @@ class StateCapture:
 
 def native_bf16() -> bool:
     """Whether this machine computes bf16 natively: a CUDA device, or a CPU with AVX512-BF16 or AMX-BF16."""
-    if torch.cuda.is_available():
-        return True
+    return torch.cuda.is_available() or cpu_bf16()
+
+
+def cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; none where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return set()
 
 
 def capture_dtype(choice: str = "auto") -> str:
