@@ -36,8 +36,7 @@ def recipe_status(name: str, work: str) -> list[str]:
         growing = n is None
         if growing:  # its count is fixed when the run first starts: what its answers file holds now
             n = stored
-        shards = (read_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
-        shards = [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
+        shards = written_shards(d)
         have = sum(sh["conversations"] for sh in shards)
         # what is left is a prefill of stored answers: its rate, from the shards written so (by when written)
         prefills += [(os.path.getmtime(os.path.join(d, sh["file"])), sh["tokens"], sh.get("featurize_s", 0))
@@ -91,15 +90,14 @@ def answering_lines(work: str, sets: list, counts: list) -> list[str]:
     left, last, shards = 0, None, []
     for s, n in zip(sets, counts):
         path, d = os.path.join(ANSWERS, s["answers"]), set_dir(work, s)
-        if n <= held(path):
+        if n <= (stored := held(path)):
             continue
-        left += n - held(path)
+        left += n - stored
         runs = [x for x in json.loads(answers_meta(path).get("runs", "[]")) if x.get("seconds")] \
             if os.path.exists(path) else []
         last = runs[-1] if runs else last
         shards += [(os.path.getmtime(os.path.join(d, sh["file"])), sh["answer_tokens"], sh["generate_s"],
-                    sh["conversations"]) for sh in (read_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
-                   if sh.get("generate_s") and "answer_tokens" in sh and os.path.exists(os.path.join(d, sh["file"]))]
+                    sh["conversations"]) for sh in written_shards(d) if sh.get("generate_s") and "answer_tokens" in sh]
     if not left:
         return []
     if shards:
@@ -114,6 +112,12 @@ def answering_lines(work: str, sets: list, counts: list) -> list[str]:
     rate, per_conv = tokens / seconds, tokens / convs
     return [f"answering: about {left * per_conv / rate / 3600:.1f} h left for {left} conversations at {rate:.1f} "
             f"answer tokens/s ({per_conv:.0f} a conversation; {how})"]
+
+
+def written_shards(d: str) -> list[dict]:
+    """The manifest entries of the shards a gen-data directory holds (those whose file exists)."""
+    shards = (read_json(os.path.join(d, "manifest.json")) or {}).get("shards", [])
+    return [sh for sh in shards if os.path.exists(os.path.join(d, sh["file"]))]
 
 
 def teacher_lines(work: str, sets: list, counts: list) -> list[str]:
