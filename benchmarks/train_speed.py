@@ -55,11 +55,8 @@ def recipe_settings(name: str, mode: str) -> dict:
     """The recipe's TrainConfig settings of its Falcon stage or EAGLE-1 baseline, as run_recipe passes them (its last
     stage's lr)."""
     r = recipes.RECIPES[name]
-    common = dict(r.get("train", {}), lr=r["continue"][-1]["lr"], batch_size=r["batch_size"])
-    if mode == "eagle":
-        return dict(common, mode="eagle", tree=r["eagle_tree"])
-    return dict(common, k=r["k"], fusion=r["fusion"], layers=r.get("falcon_layers", 1),
-                block_order=r.get("falcon_block_order", "forward"), tree=r["tree"])
+    return dict(r.get("train", {}), lr=r["continue"][-1]["lr"], batch_size=r["batch_size"],
+                **recipes.drafter_settings(r, mode))
 
 
 def build_target(args):

@@ -102,14 +102,13 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
                   batch_size=r["batch_size"], lr=r["lr"], draft_vocab=r["draft_vocab"], save_dtype="bfloat16",
                   device=device, bf16=train_bf16(device), max_conversations=r.get("max_conversations"),
                   **r.get("train", {}))
-    fal = train_stages(r, os.path.join(work, "falcon"), dirs, log, k=r["k"], fusion=r["fusion"], tree=r["tree"],
-                       layers=r.get("falcon_layers", 1), block_order=r.get("falcon_block_order", "forward"),
+    fal = train_stages(r, os.path.join(work, "falcon"), dirs, log, **drafter_settings(r, "falcon"),
                        **{**common, "epochs": r.get("falcon_epochs", r["epochs"])}, **falcon_overrides)
     files = ["config.json", "model.safetensors"]
     if "tune_tree" in r:  # before the baseline trains: the Falcon drafter is whole (and can be A/B'd) hours earlier
         fit_tree(r, target_dir, fal["out"], data, log)
         files.append("serving.json")
-    eag = train_stages(r, os.path.join(work, "eagle"), dirs, log, mode="eagle", tree=r["eagle_tree"], **common) \
+    eag = train_stages(r, os.path.join(work, "eagle"), dirs, log, **drafter_settings(r, "eagle"), **common) \
         if baseline else None
     if r.get("datastore", True):
         save_datastore(r, fal["out"], answers, data, work)
@@ -133,6 +132,15 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
     with open(os.path.join(work, "recipe_log.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
+
+
+def drafter_settings(r: dict, mode: str) -> dict:
+    """The TrainConfig fields that recipe ``r`` sets for one drafter only: its Falcon drafter's or (``mode``
+    "eagle") its EAGLE-1 baseline's."""
+    if mode == "eagle":
+        return dict(mode="eagle", tree=r["eagle_tree"])
+    return dict(k=r["k"], fusion=r["fusion"], tree=r["tree"], layers=r.get("falcon_layers", 1),
+                block_order=r.get("falcon_block_order", "forward"))
 
 
 def train_bf16(device: str) -> bool:
