@@ -372,6 +372,32 @@ def test_cached_teacher_matches_full_teacher(target, data):
     assert torch.equal(c.features[-1], s.features[-1]) and c.teacher is None
 
 
+def test_teacher_cache_in_bf16_keeps_fp32s_top_k(target, data):
+    """The bf16 product over the vocabulary with its top candidates recomputed in fp32: the same argmax, top-k ids
+    and logits as the fp32 cache, log-sum-exps close; on logits large enough that bf16 alone ranks rows wrongly."""
+    from falcon_vllm.train.data import teacher_cache
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(target.config.hidden_size, 64, bias=True)
+    with torch.no_grad():
+        head.weight.mul_(40.0)
+        head.bias.normal_()
+    full = teacher_cache(data[:6], head, topk=8)
+    fast = teacher_cache(data[:6], head, topk=8, bf16=True, margin=8, chunk=50)
+    rows = torch.cat([c["arg"] >= 0 for c in full])
+    assert int(rows.sum()) > 250
+    f = {n: torch.cat([c[n] for c in full])[rows] for n in full[0]}
+    b = {n: torch.cat([c[n] for c in fast])[rows] for n in fast[0]}
+    assert torch.equal(f["arg"], b["arg"]) and torch.equal(f["idx"], b["idx"])
+    assert torch.allclose(f["val"], b["val"], atol=1e-4)
+    assert torch.allclose(f["lse"], b["lse"], atol=2e-3) and torch.allclose(f["lseT"], b["lseT"], atol=2e-3)
+    # bf16 alone would not do: its own argmax differs from fp32's on some rows
+    with torch.no_grad():
+        feats = torch.cat([s.hidden[c["arg"] >= 0] for s, c in zip(data[:6], full)])
+        alone = (feats.bfloat16() @ head.weight.bfloat16().t() + head.bias.bfloat16()).float().argmax(-1)
+    assert (alone != f["arg"]).any()
+
+
 def test_teacher_cache_is_built_once_by_runs_side_by_side(tmp_path, target, data, monkeypatch):
     """Two runs starting on the same data directory at once: one builds the teacher cache, the other waits on
     its lock and loads what it wrote (both get the same cache); a later run only loads it."""

@@ -91,9 +91,10 @@ class TrainConfig:
     checkpoint_minutes: float = option(10.0, "also write checkpoint.pt within an epoch every this many minutes, so "
                                        "an interrupted run loses at most that much (one process only; under torchrun "
                                        "at epoch ends; 0: after every step)")
-    bf16: bool = option(False, "bf16 autocast, fp32 weights and optimiser (the recipes turn it on where the device "
+    bf16: bool = option(False, "bf16 autocast, fp32 weights and optimiser, and the teacher cache's product over the "
+                        "vocabulary in bf16 (its top-k recomputed in fp32); the recipes turn it on where the device "
                         "computes bf16 natively: a GPU, a CPU with AVX512-BF16 or AMX; on a CPU without, one step "
-                        "measured 26x slower than fp32)")
+                        "measured 26x slower than fp32")
     teacher_topk: int = option(64, "cache the frozen teacher's top-k once (soft loss over it); 0 = full teacher "
                                "every step")
     logit_positions: int | None = option(256, "LM-head rows per batch for the token losses and the glance pass "

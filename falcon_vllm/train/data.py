@@ -99,7 +99,8 @@ def to_device(batch: dict, device) -> dict:
 
 
 @torch.inference_mode()
-def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int = 1024):
+def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int = 1024, bf16: bool = False,
+                  margin: int = 16):
     # (runs where lm_head lives; the cache is kept on the CPU)
     """The frozen teacher over each answer-predicting feature, computed once instead of every step.
 
@@ -111,29 +112,46 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     buffers of logits allocated once (with per-conversation sizes a 3,584-conversation cache grew past
     24 GB on CPU, most likely heap fragmentation; this way it stays near the size of its inputs, and a
     chunk allocates nothing large: on a 152k vocabulary the fresh allocations cost a quarter of the time).
-    Both log-sum-exps come from one subtraction of the row maximum (the top-1 logit).
+
+    ``bf16``: the head's product over the whole vocabulary in bf16 (where the device computes bf16 natively,
+    2.4x fp32's on an AVX512-BF16 CPU), then the top ``topk + margin`` candidates' logits recomputed in fp32: the
+    argmax, the top-``topk`` ids and logits are fp32's (unless a true top-``topk`` token ranks below ``topk +
+    margin`` in bf16), and the log-sum-exps take the candidates' fp32 terms and the rest of the vocabulary's bf16
+    ones (``teacher_cache_bf16_qwen15``).
     """
     w, bias = lm_head.weight, lm_head.bias
+    wl = w.bfloat16() if bf16 and w.dtype != torch.bfloat16 else w   # (one copy, for the whole cache)
     topk = min(topk, w.shape[0])
+    cand = min(topk + margin, w.shape[0]) if bf16 else topk
     rows = [s.loss_mask[1:].bool().nonzero().flatten() for s in samples]  # feature i predicts token i+1
     feats = torch.cat([s.hidden[r] for s, r in zip(samples, rows)]) if samples else torch.zeros(0, 1)
     parts = {"arg": [], "idx": [], "val": [], "lse": [], "lseT": []}
     n = feats.shape[0]
-    logits = torch.empty(min(chunk, n), w.shape[0], device=w.device, dtype=w.dtype)
-    shifted = torch.empty_like(logits)
+    logits = torch.empty(min(chunk, n), w.shape[0], device=w.device, dtype=wl.dtype)
+    shifted = torch.empty(logits.shape, device=w.device, dtype=torch.float32)
     for a in range(0, n, chunk):
         x = feats[a:a + chunk].to(w.device, w.dtype)
         lg, d = logits[:len(x)], shifted[:len(x)]
         if bias is None:
-            torch.mm(x, w.t(), out=lg)
+            torch.mm(x.to(wl.dtype), wl.t(), out=lg)
         else:
-            torch.addmm(bias, x, w.t(), out=lg)
-        v, i = lg.topk(topk, dim=-1)
-        top = v[:, :1].float()
-        torch.sub(lg, top, out=d)                          # t - max t: every entry <= 0
-        lse = top[:, 0] + torch.exp(d, out=lg).float().sum(-1).log()    # (the logits are not needed now)
-        lseT = top[:, 0] / T + d.mul_(1 / T).exp_().float().sum(-1).log()
-        for name, t in (("arg", i[:, 0]), ("idx", i.int()), ("val", v.float()), ("lse", lse), ("lseT", lseT)):
+            torch.addmm(bias.to(wl.dtype), x.to(wl.dtype), wl.t(), out=lg)
+        v0, i = lg.topk(cand, dim=-1)
+        shift = v0[:, :1].float()                          # the row maximum: t - shift <= 0 (in bf16: nearly)
+        v0 = v0.float()
+        v = exact_logits(x, w, bias, i) if bf16 else v0
+        sums = []
+        for scale in (1.0, 1 / T):
+            total = d.copy_(lg).sub_(shift).mul_(scale).exp_().sum(-1)   # (a bf16 - fp32 sub: 10x slower)
+            if bf16:   # the candidates' terms at fp32's logits
+                total = (total - ((v0 - shift) * scale).exp().sum(-1)).clamp_(min=0) \
+                    + ((v - shift) * scale).exp().sum(-1)
+            sums.append(total)
+        lse, lseT = shift[:, 0] + sums[0].log(), shift[:, 0] / T + sums[1].log()
+        if bf16:
+            v, order = v.sort(dim=-1, descending=True)
+            v, i = v[:, :topk], i.gather(1, order[:, :topk])
+        for name, t in (("arg", i[:, 0]), ("idx", i.int()), ("val", v), ("lse", lse), ("lseT", lseT)):
             parts[name].append(t.cpu())
     flat = {n: torch.cat(p) if p else None for n, p in parts.items()}
     out, o = [], 0
@@ -149,26 +167,39 @@ def teacher_cache(samples, lm_head, topk: int = 64, T: float = 0.95, chunk: int 
     return out
 
 
+def exact_logits(x, w, bias, ids, rows: int = 128):
+    """The head's logits of the tokens ``ids`` (n, c) for the features ``x`` (n, d), in ``w``'s dtype."""
+    out = torch.empty(ids.shape, device=w.device, dtype=torch.float32)
+    for a in range(0, len(x), rows):   # (a block of rows at a time: their weight rows are gathered)
+        sel = ids[a:a + rows]
+        out[a:a + rows] = torch.bmm(w[sel], x[a:a + rows, :, None].to(w.dtype))[..., 0].float()
+        if bias is not None:
+            out[a:a + rows] += bias[sel].float()
+    return out
+
+
 # the files cached_teacher writes: teacher_top{topk}_n{conversations}[_partial]_{tag of the data directories}.pt
 TEACHER_CACHE = re.compile(r"teacher_top\d+_n(\d+)(_partial)?_[0-9a-f]+\.pt$")
 
 
-def with_teacher(data_dir, data, lm_head, topk: int, log=print) -> list:
+def with_teacher(data_dir, data, lm_head, topk: int, log=print, bf16: bool = False) -> list:
     """``data`` with each sample's cached teacher attached (``cached_teacher``)."""
-    return [s._replace(teacher=c) for s, c in zip(data, cached_teacher(data_dir, data, lm_head, topk, log))]
+    cache = cached_teacher(data_dir, data, lm_head, topk, log, bf16=bf16)
+    return [s._replace(teacher=c) for s, c in zip(data, cache)]
 
 
-def cached_teacher(data_dir, data, lm_head, topk: int, log=print, block: int = 512, save_minutes: float = 10.0):
+def cached_teacher(data_dir, data, lm_head, topk: int, log=print, block: int = 512, save_minutes: float = 10.0,
+                   bf16: bool = False):
     """teacher_cache(data), stored as ``teacher_top{topk}_n{len}.pt`` in ``data_dir`` (if given) and reused.
 
     Runs that start side by side on the same data build it once: the first holds a lock on
     ``<cache>.lock`` while it builds, and the others wait for it and load what it wrote. A data set that
     gen-data has grown since (shards are only appended) reuses the cache of its first conversations and
-    computes the new ones' alone.  The build (over an hour on 2 CPU cores for a million answer tokens of
-    a 150k-token vocabulary) goes ``block`` conversations at a time and writes the cache so far every
-    ``save_minutes``, as the cache of the first conversations: an interrupted build resumes there."""
+    computes the new ones' alone.  The build (on 2 CPU cores about 55 min for a million answer tokens of a
+    150k-token vocabulary in fp32, 33 with ``bf16``) goes ``block`` conversations at a time and writes the cache so
+    far every ``save_minutes``, as the cache of the first conversations: an interrupted build resumes there."""
     if not data_dir:
-        return teacher_cache(data, lm_head, topk)
+        return teacher_cache(data, lm_head, topk, bf16=bf16)
     import fcntl
     import hashlib
 
@@ -189,7 +220,7 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print, block: int = 5
         t0 = time.time()
         cache = prefix_cache(where, head, tail, data, log)
         cache = extend_cache(cache, data, lm_head, topk, lambda m: os.path.join(where, f"{head}{m}_partial{tail}"),
-                             block, save_minutes)
+                             block, save_minutes, bf16)
         log(f"teacher cache: {len(data)} conversations in {time.time() - t0:.0f} s")
         save_whole(cache, cpath)
         for name in os.listdir(where):  # the partial caches of interrupted builds: this one holds them
@@ -199,7 +230,7 @@ def cached_teacher(data_dir, data, lm_head, topk: int, log=print, block: int = 5
         return cache
 
 
-def extend_cache(cache: list, data, lm_head, topk: int, path_of, block: int, save_minutes: float):
+def extend_cache(cache: list, data, lm_head, topk: int, path_of, block: int, save_minutes: float, bf16: bool = False):
     """``cache`` (of ``data``'s first conversations) extended over the rest of ``data``, ``block`` conversations at
     a time under a bar of answer rows.  Every ``save_minutes`` the cache so far is written to ``path_of(m)`` (m
     conversations: a partial cache, which ``prefix_cache`` finds), the one written before removed."""
@@ -212,7 +243,7 @@ def extend_cache(cache: list, data, lm_head, topk: int, path_of, block: int, sav
     written, saved = None, time.time()
     with tqdm(total=left, desc="teacher cache", unit="row", unit_scale=True, disable=left < 65536) as bar:
         for a in range(len(cache), len(data), block):
-            cache += teacher_cache(data[a:a + block], lm_head, topk)
+            cache += teacher_cache(data[a:a + block], lm_head, topk, bf16=bf16)
             bar.update(rows(data[a:a + block]))
             if len(cache) < len(data) and time.time() - saved >= 60 * save_minutes:
                 save_whole(cache, path_of(len(cache)))

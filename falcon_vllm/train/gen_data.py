@@ -96,10 +96,10 @@ def write_shard(path: Path, samples) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def load_shards(directory: str, aux: bool = True) -> list[Sample]:
+def load_shards(directory: str, aux: bool = True, shards: int | None = None) -> list[Sample]:
     """All conversations of a gen-data directory (or of several, comma-separated, in that order) as
     Samples (tokens int64, loss_mask bool, features bf16: the final-norm states, then the ``aux`` ones
-    where the data has them and ``aux`` is True)."""
+    where the data has them and ``aux`` is True); ``shards``: those of its first shards only (one directory)."""
     from safetensors.torch import load_file
 
     if "," in directory:
@@ -110,7 +110,7 @@ def load_shards(directory: str, aux: bool = True) -> list[Sample]:
                                 "make one with `falcon-vllm gen-data --out DIR`")
     man = json.loads(path.read_text())
     out = []
-    for sh in man["shards"]:
+    for sh in man["shards"][:shards]:
         try:
             d = load_file(str(Path(directory, sh["file"])))
         except Exception as e:  # safetensors raises several error types for a missing or truncated file

@@ -148,7 +148,7 @@ def training_data(cfg: TrainConfig, samples: list[Sample] | None, target, log) -
         data = [s.without_aux() for s in data]
     check_aux(cfg.aux_layers, data, target.config.hidden_size, data_dir)
     if cfg.teacher_topk:  # the frozen teacher once, not every step (cached next to the data when on disk)
-        data = with_teacher(data_dir, data, target.get_output_embeddings(), cfg.teacher_topk, log)
+        data = with_teacher(data_dir, data, target.get_output_embeddings(), cfg.teacher_topk, log, cfg.bf16)
     train_set, val_set, val_left_out = split_held_out(data)  # before cropping: whole prompts compared
     log(f"held out: {len(val_set)} conversations ({val_left_out} more left out: a training conversation has "
         "their prompt)")
@@ -169,10 +169,10 @@ def extra_data(cfg: TrainConfig, val_set: list, target, log) -> tuple[list, int]
     extra = load_shards(cfg.extra_data_dir, aux=bool(cfg.aux_layers))
     check_aux(cfg.aux_layers, extra, target.config.hidden_size, cfg.extra_data_dir)
     if cfg.teacher_topk:
-        extra = with_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log)
+        extra = with_teacher(cfg.extra_data_dir, extra, target.get_output_embeddings(), cfg.teacher_topk, log,
+                             cfg.bf16)
     kept = outside_of(extra, val_set)
-    left_out = len(extra) - len(kept)
-    extra = [s for s in kept if s.loss_mask.any()]
+    left_out, extra = len(extra) - len(kept), [s for s in kept if s.loss_mask.any()]
     log(f"extra training data: {len(extra)} conversations with answer tokens, "
         f"{sum(int(s.loss_mask.sum()) for s in extra)} answer tokens; {left_out} left out as they begin "
         "like a held-out conversation")
