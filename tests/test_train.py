@@ -611,6 +611,56 @@ def test_gen_data_answers_only_grows_a_file_that_featurizes_as_a_full_run(tmp_pa
         gen_data.run("tiny", str(tmp_path / "wrong"), 4, 8, answers=f, **{**hf, "data": str(tmp_path / "other.json")})
 
 
+def test_answers_only_continues_the_first_turns_of_another_file(tmp_path, target, monkeypatch):
+    """--answers-only OUT --answers FIRST --max-turns 2 --loss-from-turn 2 answers only the second questions of
+    FIRST's conversations, resumes by shard, and OUT featurizes as gen-data's own continuation of FIRST does."""
+    import falcon_vllm.vllm.generate as vgen
+    from falcon_vllm.train import gen_data, grow
+
+    asked = []
+
+    class Engine:  # stands in for vLLM's engine: the tiny target's greedy answers
+        def __init__(self, *a, **k):
+            self.answer = gen_data.hf_generator(target, 0, {4})
+
+        def __call__(self, prompts, max_new_tokens):
+            asked.extend(prompts)
+            return self.answer(prompts, max_new_tokens)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(vgen, "VLLMGenerator", Engine)
+    convs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]
+              + ([{"from": "human", "value": f"z{i}" * 2}, {"from": "gpt", "value": "b"}] if i % 3 else [])}
+             for i in range(8)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    kw = dict(data=str(tmp_path / "sg.json"), tokenizer=_FakeTokenizer())
+    first, out = str(tmp_path / "first.safetensors"), str(tmp_path / "second.safetensors")
+    grow.answers_only("tiny", first, 8, 8, 4, **kw)
+    asked.clear()
+    turn2 = dict(continues=first, max_turns=2, loss_from_turn=2, **kw)
+    assert grow.answers_only("tiny", out, 4, 8, 4, **turn2) == 4
+    assert grow.answers_only("tiny", out, 8, 8, 4, **turn2) == 8    # resumed: conversations 4-7 only
+    stored = [q for q, _ in gen_data.load_answers(first, {"target": "tiny", "max_new_tokens": 8, "max_turns": 1,
+                                                          "max_total_tokens": 1024, "max_prompt_tokens": 384,
+                                                          "skip_conversations": 0, "loss_from_turn": 1,
+                                                          "generation": gen_data.GENERATION["target"]})[0]]
+    assert len(asked) == 5 and all(any(p[:len(q)] == q for q in stored) for p in asked)  # second questions only
+    # featurized, it is token for token gen-data's own continuation of the first turns
+    hf = dict(model=target, backend="hf", shard_size=4, max_turns=2, loss_from_turn=2, **kw)
+    mine = load_shards(str(gen_data.run("tiny", str(tmp_path / "a"), 8, 8, answers=out, **hf)))
+    theirs = load_shards(str(gen_data.run("tiny", str(tmp_path / "b"), 8, 8, answers=first, **hf)))
+    assert all(torch.equal(x.tokens, y.tokens) and torch.equal(x.loss_mask, y.loss_mask) for x, y in zip(mine, theirs))
+    assert [bool(x.loss_mask.any()) for x in mine] == [bool(i % 3) for i in range(8)]
+    grow.answers_only("tiny", str(tmp_path / "short.safetensors"), 2, 8, 4, **kw)
+    with pytest.raises(ValueError, match="holds 2 conversations, fewer than the 4 to continue"):
+        grow.answers_only("tiny", str(tmp_path / "x.safetensors"), 4, 8, 4,
+                          **{**turn2, "continues": str(tmp_path / "short.safetensors")})
+    with pytest.raises(ValueError, match="holds 2-turn conversations: nothing to continue"):
+        grow.answers_only("tiny", str(tmp_path / "y.safetensors"), 4, 8, 4, **{**turn2, "continues": out})
+
+
 def test_gen_data_resumes_by_shard(tmp_path, target, monkeypatch):
     """A run into a directory that holds shards generates only the missing ones, keeps the written shards as
     they are, and starts its progress bar at them (so the bar's rate and ETA are the new work's)."""
@@ -1489,6 +1539,10 @@ def test_gen_data_refuses_bad_counts_and_a_missing_data_file(tmp_path):
     gen_command.add_arguments(p)
     for argv, err in [(["--num-conversations", "-1"], "--num-conversations must be >= 0, got -1"),
                       (["--shard-size", "0"], "--shard-size must be >= 1, got 0"),
-                      (["--data", str(tmp_path / "nope.json")], "--data .*nope.json: no such file")]:
+                      (["--data", str(tmp_path / "nope.json")], "--data .*nope.json: no such file"),
+                      # --answers-only: first turns, or the later turns of --answers FILE's conversations
+                      (["--answers-only", "a.safetensors", "--max-turns", "2"], "or with --answers FILE and"),
+                      (["--answers-only", "a.safetensors", "--answers", "f.safetensors"], "or with --answers FILE"),
+                      (["--answers-only", "a.safetensors", "--backend", "hf"], "none of --backend hf")]:
         with pytest.raises(SystemExit, match=err):
             gen_command.main(p.parse_args(["--target", "tiny", "--out", str(tmp_path / "d"), *argv]))

@@ -135,3 +135,33 @@ def test_answers_only_with_out_keeps_the_states_a_later_run_reuses(tiny, tmp_pat
         rows = len(q) - (1 if i >= 2 else 0)  # the combined pass never computes an answer's last row
         assert ((x.features[:rows].float() - ref[:rows]).abs() <= 2e-2 * ref[:rows].abs().clamp(min=1)).all()
         assert i < 2 or not x.features[-1].any()
+
+
+def test_answers_only_continuing_first_turns_keeps_the_states_of_the_whole_conversation(tiny, tmp_path):
+    """gen-data --answers-only OUT --answers FIRST --max-turns 2 --loss-from-turn 2 --out DIR: the second answers are
+    generated with the states captured, the first turn as context (loss 0); a conversation without a second
+    question is featurized by a prefill; every state equals transformers' fp32 state of the stored tokens."""
+    from falcon_vllm.train import grow
+    from falcon_vllm.train.answer_files import load_answers
+
+    model, path = tiny
+    convs = [{"conversations": [{"from": "human", "value": f"ask {i} "}, {"from": "gpt", "value": "a"}]
+              + ([{"from": "human", "value": f"and {i} " * 2}, {"from": "gpt", "value": "b"}] if i else [])}
+             for i in range(3)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    first, second, out = str(tmp_path / "first.safetensors"), str(tmp_path / "second.safetensors"), tmp_path / "out"
+    data = str(tmp_path / "sg.json")
+    assert grow.answers_only(path, first, 3, 10, 4, data=data) == 3
+    assert grow.answers_only(path, second, 3, 10, 4, data=data, out_dir=str(out), featurize_dtype="float32",
+                             continues=first, max_turns=2, loss_from_turn=2) == 3
+    man = json.loads((out / "manifest.json").read_text())
+    assert (man["max_turns"], man["loss_from_turn"], man["shards"][0]["last_row_zero"]) == (2, 2, 2)
+    shards, one = load_shards(str(out)), load_answers(first, answers_meta(first))[0]
+    assert len(shards) == 3
+    for i, (x, (q, _)) in enumerate(zip(shards, one)):
+        assert x.tokens.tolist()[:len(q)] == q and not x.loss_mask[:len(q)].any()
+        assert bool(x.loss_mask.any()) == bool(i) and (len(x.tokens) > len(q)) == bool(i)
+        with torch.inference_mode():
+            ref = model.base_model(input_ids=x.tokens[None]).last_hidden_state[0]
+        rows = len(x.tokens) - (1 if i else 0)  # a generated answer's last row is never computed
+        assert ((x.features[:rows].float() - ref[:rows]).abs() <= 2e-2 * ref[:rows].abs().clamp(min=1)).all()

@@ -35,7 +35,9 @@ def add_arguments(p):
                    help="assistant turns before this one are context only (loss mask 0): with --max-turns 2 and "
                         "--answers of the first turns, a data set of second turns that does not repeat the first")
     p.add_argument("--answers", default=None,
-                   help="a --save-answers file: its conversations are featurized from it instead of generated")
+                   help="a --save-answers file: its conversations are featurized from it instead of generated "
+                        "(continued where it has fewer turns than --max-turns; with --answers-only: the "
+                        "conversations whose later turns it answers)")
     p.add_argument("--aux-layers", default="",
                    help="comma-separated target layers (e.g. 2,15,27 for a 30-layer target): also store the "
                         "hidden states entering them, the input of a drafter trained with --aux-layers")
@@ -66,17 +68,19 @@ def main(args):
     if args.data and not os.path.isfile(args.data):
         raise SystemExit(f"falcon-vllm: gen-data: --data {args.data}: no such file")
     if args.answers_only:
-        if (args.backend != "vllm" or args.max_turns != 1 or args.replies != "target" or args.answers
-                or args.aux_layers):
-            raise SystemExit("falcon-vllm: gen-data: --answers-only answers first turns through vLLM; it takes "
-                             "none of --backend hf, --max-turns, --replies data, --answers, --aux-layers")
+        if (args.backend != "vllm" or args.replies != "target" or args.aux_layers
+                or (args.max_turns > 1) != bool(args.answers)):
+            raise SystemExit("falcon-vllm: gen-data: --answers-only answers through vLLM first turns, or with "
+                             "--answers FILE and --max-turns N the later turns of FILE's conversations; it takes "
+                             "none of --backend hf, --replies data, --aux-layers")
         if args.out and args.gen_dtype != "float32":
             raise SystemExit("falcon-vllm: gen-data: --answers-only with --out answers in the dtype of the states "
                              "it keeps: give --featurize-dtype, not --gen-dtype")
         n = answers_only(target, args.answers_only, args.num_conversations or None, args.max_new_tokens,
                          args.shard_size, data=args.data, skip_conversations=args.skip_conversations,
                          max_total_tokens=args.max_total_tokens, gen_dtype=args.gen_dtype, out_dir=args.out,
-                         featurize_dtype=args.featurize_dtype)
+                         featurize_dtype=args.featurize_dtype, continues=args.answers, max_turns=args.max_turns,
+                         loss_from_turn=args.loss_from_turn)
         print(f"{args.answers_only} holds {n} conversations' answers" + (f"; states in {args.out}" if args.out else ""))
         return 0
     if args.out is None:
