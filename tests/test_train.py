@@ -1037,10 +1037,10 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
 
     monkeypatch.setattr(tune_tree, "main", fit)
     monkeypatch.setattr(trainer, "install_drafter", lambda *a, **k: installed.append(a))
-    os.makedirs(os.path.join(w, "falcon-stage3"))  # (training, stubbed here, makes it)
+    os.makedirs(os.path.join(w, "falcon-stage4"))  # (training, stubbed here, makes it)
     out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     # the Falcon drafter is whole, its trees fitted, before the baseline trains
-    assert [c if c == "tune-tree" else c.mode for c in seen] == ["falcon"] * 3 + ["tune-tree"] + ["eagle"] * 3
+    assert [c if c == "tune-tree" else c.mode for c in seen] == ["falcon"] * 4 + ["tune-tree"] + ["eagle"] * 4
     seen.remove("tune-tree")
     assert pinned_first[0]  # the growing set's count is fixed before the first set starts
     here = os.path.join(os.path.dirname(trainer.__file__), "answers")
@@ -1049,65 +1049,78 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     last = os.path.join(here, "qwen15-sharegpt-from5136.safetensors")  # the set the recipe answers
     got = [(os.path.relpath(a[1], w), a[2], a[3], k["answers"] and os.path.basename(k["answers"]),
             k["data"] and os.path.basename(k["data"]), k["skip_conversations"], k["featurizer"], k["backend"],
-            k["save_answers_to"]) for a, k in gens]
-    assert got == [("data/qwen15", 960, 256, "qwen15-sharegpt.safetensors", None, 0, "vllm", "vllm", None),
+            k["save_answers_to"], k["max_turns"], k["loss_from_turn"]) for a, k in gens]
+    firsts = [("qwen15-sharegpt", 960, 0), ("qwen15-sharegpt-from1296", 3840, 1296),
+              ("qwen15-sharegpt-from5136", 4228, 5136)]   # the first turns the second-turn sets continue
+    assert got == [("data/qwen15", 960, 256, "qwen15-sharegpt.safetensors", None, 0, "vllm", "vllm", None, 1, 1),
                    ("data/qwen15-code", 918, 256, "qwen15-code.safetensors", "qwen15-code-questions.json", 0, "vllm",
-                    "vllm", None),
+                    "vllm", None, 1, 1),
                    ("data/qwen15-sharegpt-from1296", grown, 256, "qwen15-sharegpt-from1296.safetensors", None, 1296,
-                    "vllm", "vllm", None),
+                    "vllm", "vllm", None, 1, 1),
                    ("data/qwen15-sharegpt-from5136", 4228, 256, os.path.exists(last) and os.path.basename(last) or None,
-                    None, 5136, "vllm", "vllm", None)]
-    # what its file lacks is answered first through vLLM, into the file, the states kept in the set's directory,
-    # before any set is featurized (the answers are what a lost machine keeps)
-    assert order == ["answer"] + ["featurize"] * 4
+                    None, 5136, "vllm", "vllm", None, 1, 1)] + [
+        (f"data/{f}-turn2", n, 256, None, None, skip, "vllm", "vllm", None, 2, 2) for f, n, skip in firsts]
+    # what the files lack is answered first through vLLM, into the files, the states kept in the sets' directories,
+    # before any set is featurized (the answers are what a lost machine keeps); a second-turn set continues the
+    # first turns of its first-turn file, answered before it
+    assert order == ["answer"] * 4 + ["featurize"] * 7
     assert [(a[1], a[2], a[3], a[4], k) for a, k in answered] == [
-        (last, 4228, 256, 64, {"data": None, "skip_conversations": 5136,
-                               "out_dir": os.path.join(w, "data", "qwen15-sharegpt-from5136")})]
+        (last, 4228, 256, 64, {"data": None, "skip_conversations": 5136, "max_turns": 1, "loss_from_turn": 1,
+                               "out_dir": os.path.join(w, "data", "qwen15-sharegpt-from5136")})] + [
+        (os.path.join(here, f"{f}-turn2.safetensors"), n, 256, 64,
+         {"data": None, "skip_conversations": skip, "max_turns": 2, "loss_from_turn": 2,
+          "continues": os.path.join(here, f"{f}.safetensors"), "out_dir": os.path.join(w, "data", f"{f}-turn2")})
+        for f, n, skip in firsts]
     assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens + answered)
     data, extra = os.path.join(w, "data", "qwen15"), ",".join(os.path.join(w, "data", n) for n in (
         "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"))
     v3 = ",".join(extra.split(",")[:2])  # stages 1-2 (drafter v3) on the first three sets, stage 3 on all four
+    every = ",".join([extra] + [os.path.join(w, "data", f"{f}-turn2") for f, _, _ in firsts])  # stage 4: all seven
     assert [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr,
              c.extra_data_dir) for c in seen] == [
         row for m in ("falcon", "eagle") for row in ((m, m, None, 5, 4e-4, v3), (m, f"{m}-stage2", m, 3, 2e-4, v3),
-                                                    (m, f"{m}-stage3", f"{m}-stage2", 3, 2e-4, extra))]
+                                                    (m, f"{m}-stage3", f"{m}-stage2", 3, 2e-4, extra),
+                                                    (m, f"{m}-stage4", f"{m}-stage3", 3, 2e-4, every))]
     # bf16 autocast where this machine computes bf16 natively
     assert {c.bf16 for c in seen if c != "tune-tree"} == {trainer.train_bf16("cpu")}
     # the same data, head and MLP width for both drafters; the Falcon stages in v2's architecture
     assert {(c.data_dir, c.draft_vocab, c.train_draft_head, c.intermediate_size, c.layers,
              c.max_conversations) for c in seen} == {(data, 16384, False, 3584, 1, None)}
-    assert [c.eval_every_epoch for c in seen] == [False, False, True] * 2  # stage 3's learning curve
-    assert {(c.k, c.fusion, c.block_order) for c in seen[:3]} == {(2, "fc", "reversed")}
-    assert len(fits) == 1 and fits[0].drafter == os.path.join(w, "falcon-stage3") and fits[0].data == data
+    assert [c.eval_every_epoch for c in seen] == [False, False, True, True] * 2  # stages 3-4's learning curves
+    assert {(c.k, c.fusion, c.block_order) for c in seen[:4]} == {(2, "fc", "reversed")}
+    assert len(fits) == 1 and fits[0].drafter == os.path.join(w, "falcon-stage4") and fits[0].data == data
     assert (fits[0].num_prompts, fits[0].batch_sizes, fits[0].widths) == (39, "1,2,4", "2,3,4,6,8,12")
-    assert fits[0].out == os.path.join(w, "falcon-stage3", "serving.json")
+    assert fits[0].out == os.path.join(w, "falcon-stage4", "serving.json")
     assert installed == [] and "installed" not in out and any("installs nothing" in m for m in logs)
-    assert json.load(open(os.path.join(w, "recipe_log.json")))["drafters"][0] == os.path.join(w, "falcon-stage3")
+    assert json.load(open(os.path.join(w, "recipe_log.json")))["drafters"][0] == os.path.join(w, "falcon-stage4")
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)  # resumed: the fitted trees are kept
     assert len(fits) == 1 and any("serving.json exists: kept" in m for m in logs)
     # resumed after the growing set's file has grown: the same conversations as when the run began
-    sets = ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"]
+    sets = ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"] + [
+        f"{f}-turn2" for f, _, _ in firsts]
     assert json.load(open(os.path.join(w, "recipe_sets.json"))) == {"sets": sets,
                                                                     "counts": {"qwen15-sharegpt-from1296": grown}}
     real_meta = answers_meta
     monkeypatch.setattr(trainer, "answers_meta", lambda f: {**real_meta(f), "conversations": grown + 64})
     gens.clear()
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert [a[2] for a, _ in gens] == [960, 918, grown, 4228]
+    assert [a[2] for a, _ in gens] == [960, 918, grown, 4228, 960, 3840, 4228]
     assert any(f"the {grown} conversations this run began with" in m and f"holds {grown + 64} now" in m for m in logs)
-    os.makedirs(tmp_path / "w2" / "falcon-stage3")
+    os.makedirs(tmp_path / "w2" / "falcon-stage4")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
-    assert [a[2] for a, _ in gens][4:] == [960, 918, grown + 64, 4228]
+    assert [a[2] for a, _ in gens][7:] == [960, 918, grown + 64, 4228, 960, 3840, 4228]
     # without vLLM: transformers answers what the file lacks, gen-data writing the answers into it after each shard
     import importlib.util
     real_spec, n_answered = importlib.util.find_spec, len(answered)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_spec(name, *a))
     gens.clear()
-    os.makedirs(tmp_path / "w3" / "falcon-stage3")
+    os.makedirs(tmp_path / "w3" / "falcon-stage4")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w3"), log=logs.append)
     assert len(answered) == n_answered
     assert [(k["backend"], k["featurizer"], k["save_answers_to"]) for _, k in gens] == [("hf", "hf", None)] * 3 + [
-        ("hf", "hf", last)]
+        ("hf", "hf", last)] + [("hf", "hf", os.path.join(here, f"{f}-turn2.safetensors")) for f, _, _ in firsts]
+    # (a second-turn set continues its first-turn file's conversations)
+    assert [os.path.basename(k["answers"]) for _, k in gens[4:]] == [f"{f}.safetensors" for f, _, _ in firsts]
     monkeypatch.setattr(importlib.util, "find_spec", real_spec)
     # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work) and trains the stages
     # on those alone (here stages 1-2: drafter v3's run), its trees fitted to the last; one whose set the recipe no
@@ -1123,7 +1136,8 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     assert [(c.mode, os.path.basename(c.out_dir), c.extra_data_dir) for c in seen if c != "tune-tree"] == [
         (m, d, v3) for m in ("falcon", "eagle") for d in (m, f"{m}-stage2")]
     assert [f.drafter for f in fits] == [os.path.join(w, "falcon-stage2")] and out["drafters"][0] == fits[0].drafter
-    assert any(m.startswith("qwen15-sharegpt-from5136: not in the run in ") for m in logs)
+    assert any(m.startswith("qwen15-sharegpt-from5136, qwen15-sharegpt-turn2, ") and "not in the run in " in m
+               for m in logs)
     assert any(m.endswith("falcon-stage3: on sets this run began without: not trained in it") for m in logs)
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"sets": sets[:3] + ["qwen15-old"], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
@@ -1141,7 +1155,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     assert json.load(open(os.path.join(w, "recipe_sets.json")))["sets"] == sets[:3]
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
         json.dump({"sets": sets, "counts": {"qwen15-sharegpt-from1296": grown}}, f)
-    # a stage whose drafter is written is kept (a new --work linking v3's trained stages trains stage 3 alone)
+    # a stage whose drafter is written is kept (a new --work linking v3's trained stages trains stages 3-4 alone)
     seen.clear()
     for d in ("falcon", "falcon-stage2"):
         os.makedirs(os.path.join(w, d), exist_ok=True)
@@ -1151,8 +1165,9 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
             json.dump({"falcon": {"extra": {"training": {"heldout": {"top1_by_block_position": [0.4, 0.2]}}}}}, f)
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
     assert [(c.mode, os.path.basename(c.out_dir), os.path.basename(c.init_from or "")) for c in seen] == [
-        ("falcon", "falcon-stage3", "falcon-stage2"), ("eagle", "eagle", ""), ("eagle", "eagle-stage2", "eagle"),
-        ("eagle", "eagle-stage3", "eagle-stage2")]
+        ("falcon", "falcon-stage3", "falcon-stage2"), ("falcon", "falcon-stage4", "falcon-stage3"),
+        ("eagle", "eagle", ""), ("eagle", "eagle-stage2", "eagle"), ("eagle", "eagle-stage3", "eagle-stage2"),
+        ("eagle", "eagle-stage4", "eagle-stage3")]
     assert any(m.endswith("falcon-stage2: trained (its drafter is written): kept") for m in logs)
 
 
@@ -1213,7 +1228,8 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     (w / "data" / "qwen15" / "teacher_top64_n960_0123abcd.pt").write_bytes(b"")
     (w / "data" / "qwen15-code" / "teacher_top64_n512_partial_0123abcd.pt").write_bytes(b"")
     lines = status()
-    assert lines.pop(1) == ("sets qwen15-sharegpt-from5136: not in this run (it began without them; a new --work "
+    assert lines.pop(1) == ("sets qwen15-sharegpt-from5136, qwen15-sharegpt-turn2, qwen15-sharegpt-from1296-turn2, "
+                            "qwen15-sharegpt-from5136-turn2: not in this run (it began without them; a new --work "
                             "trains on them)")
     # left: 790 code and 64 ShareGPT conversations of 250 tokens, at the rate of the last 4 prefilled shards
     assert lines[1:6] == ["data qwen15: 960 of 960 conversations featurized (15 of 15 shards)",
@@ -1249,12 +1265,13 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
         (w / d / "model.safetensors").write_bytes(b"")
     (w / "falcon-stage2" / "serving.json").write_text("{}")
     assert status()[-1] == "next: the last steps (run the same train --recipe command to finish)"
-    # the same run had it begun with every set: stage 3 and its trees next (after the fourth set's data)
+    # the same run had it begun with every set: stages 3-4 and the trees of the last next (after the other sets' data)
     (w / "recipe_sets.json").write_text(json.dumps({"sets": [s["name"] for s in recipes.recipe_sets(
         recipes.RECIPES["qwen2.5-coder-1.5b"])], "counts": {"qwen15-sharegpt-from1296": 128}}))
-    assert [ln for ln in status() if "stage3" in ln] == ["Falcon falcon-stage3: not started (3 epochs)",
-                                                          "trees falcon-stage3/serving.json: not yet",
-                                                          "EAGLE-1 eagle-stage3: not started (3 epochs)"]
+    assert [ln for ln in status() if "stage3" in ln or "stage4" in ln] == [
+        "Falcon falcon-stage3: not started (3 epochs)", "Falcon falcon-stage4: not started (3 epochs)",
+        "trees falcon-stage4/serving.json: not yet", "EAGLE-1 eagle-stage3: not started (3 epochs)",
+        "EAGLE-1 eagle-stage4: not started (3 epochs)"]
     (w / "recipe_sets.json").write_text(json.dumps({"sets": ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296"],
                                                     "counts": {"qwen15-sharegpt-from1296": 128}}))
     (w / "recipe_log.json").write_text("{}")
@@ -1269,7 +1286,7 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
     assert status()[-1] == "next: eagle (run the same train --recipe command to resume)"
     # a run begun before its sets were kept (counts alone): the sets it has begun, as the run itself keeps them
     (w / "recipe_sets.json").write_text(json.dumps({"qwen15-sharegpt-from1296": 128}))
-    assert status()[1].startswith("sets qwen15-sharegpt-from5136: not in this run")
+    assert status()[1].startswith("sets qwen15-sharegpt-from5136, ") and "-turn2: not in this run" in status()[1]
     with pytest.raises(SystemExit, match="--status applies to --recipe only"):
         cli_main(["train", "--status"])
 

@@ -44,7 +44,7 @@ RECIPES = {
     # featurized by a prefill through vLLM) and the answers a set's file still lacks (answered through vLLM, the
     # states kept while answering, the file growing shard by shard), the Falcon drafter of the shipped v2 (k=2, fc
     # fusion, 1 layer with its MLP narrowed to 3,584, reversed block order, frozen 16,384-token head, lr 4e-4:
-    # a 1,536-wide drafter diverged at 1e-3) and the EAGLE-1 baseline in the same three stages, then the tree
+    # a 1,536-wide drafter diverged at 1e-3) and the EAGLE-1 baseline in the same four stages, then the tree
     # fitted by tune-tree to the held-out rank profile and vLLM's step cost (the drafter's serving.json).  The
     # first set is --data (its last 1/16 held out: the same 60 conversations as v2's); the others are
     # --extra-data.  Not installed: it replaces the shipped drafter only after a same-run A/B against it.  A run
@@ -60,16 +60,25 @@ RECIPES = {
                   "skip_conversations": 1296},  # no count: every conversation the file holds when the run first starts
                  # the rest of ShareGPT's usable first turns: answered by the recipe where the file lacks them
                  {"name": "qwen15-sharegpt-from5136", "answers": "qwen15-sharegpt-from5136.safetensors",
-                  "skip_conversations": 5136, "num_conversations": 4228}],
+                  "skip_conversations": 5136, "num_conversations": 4228},
+                 # the second turns of those conversations (about 68% have a second question): each first-turn file
+                 # continued, only the second answers generated and trained; not the 336 first turns past the first
+                 # set's 960, which no stage trains on (held-out evaluations read them)
+                 *({"name": f"{name}-turn2", "answers": f"{name}-turn2.safetensors", "continues": f"{name}.safetensors",
+                    "max_turns": 2, "loss_from_turn": 2, "skip_conversations": skip, "num_conversations": n}
+                   for name, skip, n in (("qwen15-sharegpt", 0, 960), ("qwen15-sharegpt-from1296", 1296, 3840),
+                                         ("qwen15-sharegpt-from5136", 5136, 4228)))],
         "epochs": 5, "batch_size": 8, "lr": 4e-4, "fusion": "fc", "k": 2, "tree": "falcon-llama",
         "falcon_block_order": "reversed", "draft_vocab": 16384, "eagle_tree": "eagle-small",
         "train": {"intermediate_size": 3584, "train_draft_head": False, "eval_every_epoch": False},
         "datastore": False, "install": False,
         "tune_tree": ["--num-prompts", "39", "--batch-sizes", "1,2,4", "--widths", "2,3,4,6,8,12"],
         "falcon_dir": "qwen2.5-coder-1.5b-instruct", "eagle_dir": "qwen2.5-coder-1.5b-instruct-eagle",
-        # stages 1-2 on the first three sets (drafter v3), stage 3 from those weights on every set (its held-out
-        # metrics after each epoch: whether more epochs would pay)
+        # stages 1-2 on the first three sets (drafter v3), stage 3 from those weights on the first four (every first
+        # turn), stage 4 on every set (the second turns too); held-out metrics after each epoch of stages 3-4:
+        # whether more epochs would pay
         "train_sets": 3, "continue": [{"epochs": 3, "lr": 2e-4},
+                                      {"epochs": 3, "lr": 2e-4, "train_sets": 4, "eval_every_epoch": True},
                                       {"epochs": 3, "lr": 2e-4, "train_sets": None, "eval_every_epoch": True}]},
 }
 
@@ -180,14 +189,19 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], st
             log(f"{s['name']}: answering the {missing} of its {n} conversations that {s['answers']} lacks")
             answers_only(target_dir, answers, n, r["max_new_tokens"], r["shard_size"], data=questions(s),
                          skip_conversations=s.get("skip_conversations", 0),
-                         out_dir=set_dir(work, s) if featurizer == "vllm" else None)
+                         out_dir=set_dir(work, s) if featurizer == "vllm" else None,
+                         **({"continues": os.path.join(ANSWERS, s["continues"])} if "continues" in s else {}),
+                         **turns(s))
     for s, n in zip(sets, counts):
         answers = os.path.join(ANSWERS, s["answers"])
         hf_answers = backend != "vllm" and n > held(answers)  # gen-data answers them, into the file
+        source = answers if os.path.exists(answers) else None
+        if "continues" in s and hf_answers:  # the first turns, continued (and saved into the set's file)
+            source = os.path.join(ANSWERS, s["continues"])
         gen_data.run(target_dir, set_dir(work, s), n, r["max_new_tokens"], shard_size=r["shard_size"],
-                     backend=backend, answers=answers if os.path.exists(answers) else None, data=questions(s),
+                     backend=backend, answers=source, data=questions(s),
                      skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer,
-                     save_answers_to=answers if hf_answers else None)
+                     save_answers_to=answers if hf_answers else None, **turns(s))
         dirs.append(set_dir(work, s))
         files.append(answers)
     return dirs, files[0]
@@ -196,6 +210,12 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], st
 def questions(s: dict) -> str | None:
     """Set ``s``'s prompts file (ShareGPT JSON in the answers directory), None for ShareGPT itself."""
     return os.path.join(ANSWERS, s["questions"]) if "questions" in s else None
+
+
+def turns(s: dict) -> dict:
+    """Set ``s``'s turns: a set that ``continues`` another's answers file answers its later turns (``max_turns``),
+    trained from turn ``loss_from_turn``; every other set, first turns."""
+    return {"max_turns": s.get("max_turns", 1), "loss_from_turn": s.get("loss_from_turn", 1)}
 
 
 def held(answers: str) -> int:
