@@ -1294,7 +1294,7 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys):
 def test_recipe_status_answering_left(tmp_path):
     """--status says how long the answering still to do takes: at the rate of the last four shards answered into
     the sets' directories (the CPU's rate now), else of the last run that grew such a file (its answer tokens per
-    conversation and per second), and that no rate is known before one has run."""
+    conversation and per second), and that no rate is known before one has run; the sets of second turns apart."""
     from falcon_vllm.train import recipe_status
     from falcon_vllm.train.answer_files import write_answers
 
@@ -1326,6 +1326,13 @@ def test_recipe_status_answering_left(tmp_path):
         f"answering: about {140 * 100 / 50 / 3600:.1f} h left for 140 conversations at 50.0 answer tokens/s (100 a "
         "conversation; the last 4 shards answered)"]
     assert lines([10, 0]) == []
+    # a set of second turns: at its own rate (none measured yet), not the first turns'
+    sets.append({"name": "a-turn2", "answers": str(tmp_path / "a2.safetensors"), "continues": sets[0]["answers"],
+                 "max_turns": 2, "loss_from_turn": 2})
+    assert lines([100, 50, 30]) == [
+        f"answering: about {140 * 100 / 50 / 3600:.1f} h left for 140 conversations at 50.0 answer tokens/s (100 a "
+        "conversation; the last 4 shards answered)", "answering (turn 2): 30 conversations to answer (no rate "
+        "measured yet)"]
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own

@@ -86,9 +86,19 @@ def recipe_status(name: str, work: str) -> list[str]:
 def answering_lines(work: str, sets: list, counts: list) -> list[str]:
     """The answering still to do (sets whose answers files hold fewer conversations than their counts), with the
     hours left at the rate of the last four shards answered into those sets' directories (the CPU's rate now), else
-    of the latest run that grew such a file (its answer tokens per conversation and per second)."""
+    of the latest run that grew such a file (its answer tokens per conversation and per second); the sets of later
+    turns apart, at their own rate (each prefills a first turn before it answers, and some have no later question)."""
+    out = []
+    for turns in sorted({s.get("max_turns", 1) for s in sets}):
+        kind = [(s, n) for s, n in zip(sets, counts) if s.get("max_turns", 1) == turns]
+        out += answering_line(work, kind, "answering" + (f" (turn {turns})" if turns > 1 else ""))
+    return out
+
+
+def answering_line(work: str, sets: list, label: str) -> list[str]:
+    """``answering_lines`` of ``sets`` ((set, count) pairs of one kind)."""
     left, last, shards = 0, None, []
-    for s, n in zip(sets, counts):
+    for s, n in sets:
         path, d = os.path.join(ANSWERS, s["answers"]), set_dir(work, s)
         if n <= (stored := held(path)):
             continue
@@ -108,9 +118,9 @@ def answering_lines(work: str, sets: list, counts: list) -> list[str]:
         tokens, seconds, convs = last["answer_tokens"], last["seconds"], last["conversations"]
         how = f"{last['dtype']}, the last run that answered"
     else:
-        return [f"answering: {left} conversations to answer (no rate measured yet)"]
+        return [f"{label}: {left} conversations to answer (no rate measured yet)"]
     rate, per_conv = tokens / seconds, tokens / convs
-    return [f"answering: about {left * per_conv / rate / 3600:.1f} h left for {left} conversations at {rate:.1f} "
+    return [f"{label}: about {left * per_conv / rate / 3600:.1f} h left for {left} conversations at {rate:.1f} "
             f"answer tokens/s ({per_conv:.0f} a conversation; {how})"]
 
 
