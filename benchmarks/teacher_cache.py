@@ -14,6 +14,7 @@ round counted.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,20 +25,20 @@ from harness.machine import cpu_name
 from harness.paths import portable
 from harness.report import write_report
 
-from falcon_vllm.train.data import teacher_cache
+from falcon_vllm.train.data import answer_rows, teacher_cache
 from falcon_vllm.train.gen_data import load_shards
 
 
-def answer_rows(sample) -> int:
-    return int(sample.loss_mask[1:].sum())
-
-
 def first_rows(data_dir: str, rows: int) -> list:
-    """The first conversations of ``data_dir`` holding at least ``rows`` answer rows (of its first shards)."""
+    """The first conversations of ``data_dir`` holding at least ``rows`` answer rows (only the shards they are in
+    are read: the manifest counts each shard's answer tokens)."""
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        shards, n = json.load(f)["shards"], 0
+    need = next((i + 1 for i, sh in enumerate(shards) if (n := n + sh["answer_tokens"]) >= rows), len(shards))
     out, n = [], 0
-    for s in load_shards(data_dir, aux=False, shards=1 + rows // 5000):
-        out.append(s.without_aux())
-        n += answer_rows(s)
+    for s in load_shards(data_dir, aux=False, shards=need):
+        out.append(s)
+        n += answer_rows([s])
         if n >= rows:
             break
     return out
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
 
     head = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).get_output_embeddings()
     data = first_rows(args.data, args.rows)
-    rows = sum(answer_rows(s) for s in data)
+    rows = answer_rows(data)
     times, caches = {"fp32": [], "bf16": []}, {}
     for _ in range(args.rounds):
         for way in times:

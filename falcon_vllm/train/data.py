@@ -236,15 +236,12 @@ def extend_cache(cache: list, data, lm_head, topk: int, path_of, block: int, sav
     conversations: a partial cache, which ``prefix_cache`` finds), the one written before removed."""
     from tqdm import tqdm
 
-    def rows(part):
-        return sum(int(s.loss_mask[1:].sum()) for s in part)
-
-    left = rows(data[len(cache):])
+    left = answer_rows(data[len(cache):])
     written, saved = None, time.time()
     with tqdm(total=left, desc="teacher cache", unit="row", unit_scale=True, disable=left < 65536) as bar:
         for a in range(len(cache), len(data), block):
             cache += teacher_cache(data[a:a + block], lm_head, topk, bf16=bf16)
-            bar.update(rows(data[a:a + block]))
+            bar.update(answer_rows(data[a:a + block]))
             if len(cache) < len(data) and time.time() - saved >= 60 * save_minutes:
                 save_whole(cache, path_of(len(cache)))
                 if written:
@@ -252,6 +249,11 @@ def extend_cache(cache: list, data, lm_head, topk: int, path_of, block: int, sav
                         os.remove(written)
                 written, saved = path_of(len(cache)), time.time()
     return cache
+
+
+def answer_rows(samples) -> int:
+    """The rows of ``samples`` the teacher cache computes: each feature whose next token is an answer token."""
+    return sum(int(s.loss_mask[1:].sum()) for s in samples)
 
 
 def save_whole(obj, path: str) -> None:

@@ -189,15 +189,14 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], st
             log(f"{s['name']}: answering the {missing} of its {n} conversations that {s['answers']} lacks")
             answers_only(target_dir, answers, n, r["max_new_tokens"], r["shard_size"], data=questions(s),
                          skip_conversations=s.get("skip_conversations", 0),
-                         out_dir=set_dir(work, s) if featurizer == "vllm" else None,
-                         **({"continues": os.path.join(ANSWERS, s["continues"])} if "continues" in s else {}),
+                         out_dir=set_dir(work, s) if featurizer == "vllm" else None, continues=continued(s),
                          **turns(s))
     for s, n in zip(sets, counts):
         answers = os.path.join(ANSWERS, s["answers"])
         hf_answers = backend != "vllm" and n > held(answers)  # gen-data answers them, into the file
         source = answers if os.path.exists(answers) else None
-        if "continues" in s and hf_answers:  # the first turns, continued (and saved into the set's file)
-            source = os.path.join(ANSWERS, s["continues"])
+        if continued(s) and hf_answers:  # the first turns, continued (and saved into the set's file)
+            source = continued(s)
         gen_data.run(target_dir, set_dir(work, s), n, r["max_new_tokens"], shard_size=r["shard_size"],
                      backend=backend, answers=source, data=questions(s),
                      skip_conversations=s.get("skip_conversations", 0), featurizer=featurizer,
@@ -216,6 +215,11 @@ def turns(s: dict) -> dict:
     """Set ``s``'s turns: a set that ``continues`` another's answers file answers its later turns (``max_turns``),
     trained from turn ``loss_from_turn``; every other set, first turns."""
     return {"max_turns": s.get("max_turns", 1), "loss_from_turn": s.get("loss_from_turn", 1)}
+
+
+def continued(s: dict) -> str | None:
+    """The answers file whose conversations set ``s`` continues to later turns (None: a set of first turns)."""
+    return os.path.join(ANSWERS, s["continues"]) if "continues" in s else None
 
 
 def held(answers: str) -> int:
