@@ -978,7 +978,9 @@ def test_recipe_variant_flags(tmp_path, monkeypatch):
         cli_main(["train", "--data", "d", "--out", "o", "--no-install"])
     with pytest.raises(SystemExit, match="--no-baseline applies to --recipe only"):
         cli_main(["train", "--data", "d", "--out", "o", "--no-baseline"])
-    assert train_command.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--no-baseline"])) == {}
+    with pytest.raises(SystemExit, match="--sets applies to --recipe only"):
+        cli_main(["train", "--data", "d", "--out", "o", "--sets", "3"])
+    assert train_command.recipe_overrides(p.parse_args(["--recipe", "smollm2", "--no-baseline", "--sets", "1"])) == {}
 
     seen, installed = [], []
     monkeypatch.setattr(models, "model_path", lambda *a: tmp_path / "target")
@@ -1053,10 +1055,10 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     assert got == [("data/qwen15", 960, 256, "qwen15-sharegpt.safetensors", None, 0, "vllm", "vllm", None, 1, 1),
                    ("data/qwen15-code", 918, 256, "qwen15-code.safetensors", "qwen15-code-questions.json", 0, "vllm",
                     "vllm", None, 1, 1),
-                   ("data/qwen15-sharegpt-from1296", grown, 256, "qwen15-sharegpt-from1296.safetensors", None, 1296,
-                    "vllm", "vllm", None, 1, 1),
                    ("data/qwen15-sharegpt-from5136", 4228, 256, os.path.exists(last) and os.path.basename(last) or None,
-                    None, 5136, "vllm", "vllm", None, 1, 1)] + [
+                    None, 5136, "vllm", "vllm", None, 1, 1),
+                   ("data/qwen15-sharegpt-from1296", grown, 256, "qwen15-sharegpt-from1296.safetensors", None, 1296,
+                    "vllm", "vllm", None, 1, 1)] + [
         (f"data/{f}-turn2", n, 256, None, None, skip, "vllm", "vllm", None, 2, 2) for f, n, skip in firsts]
     # what the files lack is answered first through vLLM, into the files, the states kept in the sets' directories,
     # before any set is featurized (the answers are what a lost machine keeps); a second-turn set continues the
@@ -1071,7 +1073,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         for f, n, skip in firsts]
     assert all(str(a[0]).endswith("target-qwen2.5-coder-1.5b-instruct") for a, _ in gens + answered)
     data, extra = os.path.join(w, "data", "qwen15"), ",".join(os.path.join(w, "data", n) for n in (
-        "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"))
+        "qwen15-code", "qwen15-sharegpt-from5136", "qwen15-sharegpt-from1296"))
     v3 = ",".join(extra.split(",")[:2])  # stages 1-2 (drafter v3) on the first three sets, stage 3 on all four
     every = ",".join([extra] + [os.path.join(w, "data", f"{f}-turn2") for f, _, _ in firsts])  # stage 4: all seven
     assert [(c.mode, os.path.relpath(c.out_dir, w), c.init_from and os.path.relpath(c.init_from, w), c.epochs, c.lr,
@@ -1094,7 +1096,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)  # resumed: the fitted trees are kept
     assert len(fits) == 1 and any("serving.json exists: kept" in m for m in logs)
     # resumed after the growing set's file has grown: the same conversations as when the run began
-    sets = ["qwen15", "qwen15-code", "qwen15-sharegpt-from1296", "qwen15-sharegpt-from5136"] + [
+    sets = ["qwen15", "qwen15-code", "qwen15-sharegpt-from5136", "qwen15-sharegpt-from1296"] + [
         f"{f}-turn2" for f, _, _ in firsts]
     assert json.load(open(os.path.join(w, "recipe_sets.json"))) == {"sets": sets,
                                                                     "counts": {"qwen15-sharegpt-from1296": grown}}
@@ -1102,11 +1104,11 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     monkeypatch.setattr(trainer, "answers_meta", lambda f: {**real_meta(f), "conversations": grown + 64})
     gens.clear()
     trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert [a[2] for a, _ in gens] == [960, 918, grown, 4228, 960, 3840, 4228]
+    assert [a[2] for a, _ in gens] == [960, 918, 4228, grown, 960, 3840, 4228]
     assert any(f"the {grown} conversations this run began with" in m and f"holds {grown + 64} now" in m for m in logs)
     os.makedirs(tmp_path / "w2" / "falcon-stage4")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w2"), log=logs.append)      # a new run: all of them
-    assert [a[2] for a, _ in gens][7:] == [960, 918, grown + 64, 4228, 960, 3840, 4228]
+    assert [a[2] for a, _ in gens][7:] == [960, 918, 4228, grown + 64, 960, 3840, 4228]
     # without vLLM: transformers answers what the file lacks, gen-data writing the answers into it after each shard
     import importlib.util
     real_spec, n_answered = importlib.util.find_spec, len(answered)
@@ -1115,11 +1117,28 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     os.makedirs(tmp_path / "w3" / "falcon-stage4")
     trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w3"), log=logs.append)
     assert len(answered) == n_answered
-    assert [(k["backend"], k["featurizer"], k["save_answers_to"]) for _, k in gens] == [("hf", "hf", None)] * 3 + [
-        ("hf", "hf", last)] + [("hf", "hf", os.path.join(here, f"{f}-turn2.safetensors")) for f, _, _ in firsts]
+    assert [(k["backend"], k["featurizer"], k["save_answers_to"]) for _, k in gens] == [("hf", "hf", None)] * 2 + [
+        ("hf", "hf", last), ("hf", "hf", None)] + [("hf", "hf", os.path.join(here, f"{f}-turn2.safetensors")) for f, _, _ in firsts]
     # (a second-turn set continues its first-turn file's conversations)
     assert [os.path.basename(k["answers"]) for _, k in gens[4:]] == [f"{f}.safetensors" for f, _, _ in firsts]
     monkeypatch.setattr(importlib.util, "find_spec", real_spec)
+    # --sets 3: a new run of the first three sets (drafter v3's: the third is the set whose states were kept while
+    # answering), its stages 1-2 alone and their trees; the run keeps them, and --sets cannot change them later
+    gens.clear()
+    seen.clear()
+    fits.clear()
+    w4 = str(tmp_path / "w4")
+    os.makedirs(os.path.join(w4, "falcon-stage2"))
+    out = trainer.run_recipe("qwen2.5-coder-1.5b", w4, log=logs.append, num_sets=3)
+    assert json.load(open(os.path.join(w4, "recipe_sets.json")))["sets"] == sets[:3]
+    assert [os.path.basename(a[1]) for a, _ in gens] == sets[:3]
+    assert [(c.mode, os.path.basename(c.out_dir), c.extra_data_dir.replace(w4, w)) for c in seen if c != "tune-tree"] \
+        == [(m, d, v3) for m in ("falcon", "eagle") for d in (m, f"{m}-stage2")]
+    assert [f.drafter for f in fits] == [os.path.join(w4, "falcon-stage2")] and out["drafters"][0] == fits[0].drafter
+    with pytest.raises(SystemExit, match=r"began with 3 sets .*--sets applies to a run when it first starts"):
+        trainer.run_recipe("qwen2.5-coder-1.5b", w4, log=logs.append, num_sets=4)
+    with pytest.raises(SystemExit, match="--sets 8: this recipe has 7 data sets"):
+        trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w5"), log=logs.append, num_sets=8)
     # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work) and trains the stages
     # on those alone (here stages 1-2: drafter v3's run), its trees fitted to the last; one whose set the recipe no
     # longer has is refused
@@ -1130,11 +1149,11 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         json.dump({"sets": sets[:3], "counts": {"qwen15-sharegpt-from1296": grown}}, f)
     os.makedirs(os.path.join(w, "falcon-stage2"))
     out = trainer.run_recipe("qwen2.5-coder-1.5b", w, log=logs.append)
-    assert [a[2] for a, _ in gens] == [960, 918, grown]
+    assert [a[2] for a, _ in gens] == [960, 918, 4228]
     assert [(c.mode, os.path.basename(c.out_dir), c.extra_data_dir) for c in seen if c != "tune-tree"] == [
         (m, d, v3) for m in ("falcon", "eagle") for d in (m, f"{m}-stage2")]
     assert [f.drafter for f in fits] == [os.path.join(w, "falcon-stage2")] and out["drafters"][0] == fits[0].drafter
-    assert any(m.startswith("qwen15-sharegpt-from5136, qwen15-sharegpt-turn2, ") and "not in the run in " in m
+    assert any(m.startswith("qwen15-sharegpt-from1296, qwen15-sharegpt-turn2, ") and "not in the run in " in m
                for m in logs)
     assert any(m.endswith("falcon-stage3: on sets this run began without: not trained in it") for m in logs)
     with open(os.path.join(w, "recipe_sets.json"), "w") as f:
@@ -1212,10 +1231,10 @@ def test_recipe_status_says_where_a_run_stands(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(recipe_status, "held", lambda f: 2240 if f.endswith("-from5136.safetensors") else real_held(f))
     lines = status()
     grown = int(answers_meta(os.path.join(recipes.ANSWERS, "qwen15-sharegpt-from1296.safetensors"))["conversations"])
-    assert lines[3] == (f"data qwen15-sharegpt-from1296: 0 of {grown} conversations featurized (0 of "
+    assert lines[3].startswith("data qwen15-sharegpt-from5136: 0 of 4228 conversations featurized (0 of 67 shards) (")
+    assert lines[3].endswith(" (1988 to answer first: qwen15-sharegpt-from5136.safetensors holds 2240)")
+    assert lines[4] == (f"data qwen15-sharegpt-from1296: 0 of {grown} conversations featurized (0 of "
                         f"{-(-grown // 64)} shards) (all its answers file holds now; fixed when the run starts)")
-    assert lines[4].startswith("data qwen15-sharegpt-from5136: 0 of 4228 conversations featurized (0 of 67 shards) (")
-    assert lines[4].endswith(" (1988 to answer first: qwen15-sharegpt-from5136.safetensors holds 2240)")
     assert lines[-1] == "next: data (run the same train --recipe command to resume)"
     shards("qwen15", 15, written=1000)  # prefilled at 50 tokens/s
     shards("qwen15-code", 2, seconds=640.0, written=2000)  # the last two at 25
@@ -1334,7 +1353,7 @@ def test_recipe_status_answering_left(tmp_path):
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own
-COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--no-baseline", "--status", "--threads"}
+COMMAND_FLAGS = {"--recipe", "--work", "--no-install", "--no-baseline", "--sets", "--status", "--threads"}
 
 
 def _other_value(action) -> list[str]:

@@ -20,12 +20,13 @@ from falcon_vllm.train.recipes import (ANSWERS, RECIPES, began_with, held, read_
                                        run_stages, set_dir)
 
 
-def recipe_status(name: str, work: str) -> list[str]:
-    """Lines that say where the recipe ``name``'s run in ``work`` stands, stage by stage, and which stage is next."""
+def recipe_status(name: str, work: str, num_sets: int | None = None) -> list[str]:
+    """Lines that say where the recipe ``name``'s run in ``work`` stands, stage by stage, and which stage is next
+    (``num_sets``: ``--sets``, for a run not yet begun)."""
     r = RECIPES[name]
     lines, todo = [f"recipe {name} in {work}"], []
     pins = read_pins(work)
-    sets = began_with(r, work, pins)
+    sets = began_with(r, work, pins, num_sets)
     if added := [s["name"] for s in recipe_sets(r) if s not in sets]:
         lines.append(f"sets {', '.join(added)}: not in this run (it began without them; a new --work trains on them)")
     counts, prefills, left_convs, per_conv = [], [], 0, []

@@ -56,11 +56,13 @@ RECIPES = {
         "sets": [{"name": "qwen15", "answers": "qwen15-sharegpt.safetensors", "num_conversations": 960},
                  {"name": "qwen15-code", "answers": "qwen15-code.safetensors",
                   "questions": "qwen15-code-questions.json", "num_conversations": 918},
-                 {"name": "qwen15-sharegpt-from1296", "answers": "qwen15-sharegpt-from1296.safetensors",
-                  "skip_conversations": 1296},  # no count: every conversation the file holds when the run first starts
-                 # the rest of ShareGPT's usable first turns: answered by the recipe where the file lacks them
+                 # the rest of ShareGPT's usable first turns: answered by the recipe where the file lacks them (third:
+                 # its states are kept while it is answered, so a run of the first three sets, drafter v3's, trains
+                 # without the prefill of the fourth's 3,840, about 2.4 h on a 2-core CPU)
                  {"name": "qwen15-sharegpt-from5136", "answers": "qwen15-sharegpt-from5136.safetensors",
                   "skip_conversations": 5136, "num_conversations": 4228},
+                 {"name": "qwen15-sharegpt-from1296", "answers": "qwen15-sharegpt-from1296.safetensors",
+                  "skip_conversations": 1296},  # no count: every conversation the file holds when the run first starts
                  # the second turns of those conversations (about 68% have a second question): each first-turn file
                  # continued, only the second answers generated and trained; not the 336 first turns past the first
                  # set's 960, which no stage trains on (held-out evaluations read them)
@@ -89,12 +91,13 @@ RECIPE_FALCON_FLAGS = ("glance", "block_phase")
 
 
 def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", log=print,
-               falcon_overrides: dict | None = None, baseline: bool = True) -> dict:
+               falcon_overrides: dict | None = None, baseline: bool = True, num_sets: int | None = None) -> dict:
     """gen-data + Falcon (CSGD) + EAGLE baseline for a known target, then what the Falcon drafter serves with;
     installs into falcon_vllm/drafters where the recipe does.  Every step resumes where it stopped (gen-data by
     shard, training from its checkpoint, a tree already fitted is kept).  ``falcon_overrides``: TrainConfig fields
     (``RECIPE_FALCON_FLAGS``) that every Falcon stage takes instead of the recipe's.  ``baseline=False``: the Falcon
-    drafter alone (no EAGLE-1 baseline: about half the training); a later run with it trains the baseline."""
+    drafter alone (no EAGLE-1 baseline: about half the training); a later run with it trains the baseline.
+    ``num_sets``: a new run trains on the recipe's first ``num_sets`` data sets only (``run_sets``)."""
     from falcon_vllm.models import model_path
 
     r = RECIPES[name]
@@ -104,7 +107,7 @@ def run_recipe(name: str, work: str, install: bool = True, device: str = "cpu", 
                          f"Falcon stages, not {unknown}")
     target_dir = str(model_path(r["target"]) if "target" in r else model_path())
     t0 = time.time()
-    dirs, answers = recipe_data(r, target_dir, work, log)
+    dirs, answers = recipe_data(r, target_dir, work, log, num_sets)
     data = dirs[0]
     t_data = time.time() - t0
     common = dict(data_dir=data, target_dir=target_dir, epochs=r["epochs"],
@@ -162,7 +165,7 @@ def train_bf16(device: str) -> bool:
     return device.startswith("cuda") or (device == "cpu" and cpu_bf16())
 
 
-def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], str]:
+def recipe_data(r: dict, target_dir: str, work: str, log, num_sets: int | None = None) -> tuple[list[str], str]:
     """gen-data for recipe ``r`` under ``work/data``: each set of the run (``run_sets``) featurized from its stored
     answers (in the source tree); what the sets' answers files lack is answered first, into those files, before
     any set is featurized (the answers are what a lost machine keeps; their states are kept while answering where
@@ -175,7 +178,7 @@ def recipe_data(r: dict, target_dir: str, work: str, log) -> tuple[list[str], st
         log("vLLM is not installed here: gen-data answers with transformers' generate (slower, same data)")
         backend = "hf"
     featurizer = r.get("featurizer", "hf") if backend == "vllm" else "hf"
-    sets = run_sets(r, work, log)
+    sets = run_sets(r, work, log, num_sets)
     dirs, files = [], []
     # each set's conversations as answered before (tokens only, in the source tree) are featurized, not answered
     # again; every count fixed before the first set starts (a growing file's as it is now)
@@ -255,16 +258,23 @@ def write_pins(work: str, pins: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def run_sets(r: dict, work: str, log) -> list[dict]:
+def run_sets(r: dict, work: str, log, num_sets: int | None = None) -> list[dict]:
     """The sets of recipe ``r`` that the run in ``work`` trains on (``began_with``), fixed in
     ``<work>/recipe_sets.json`` when it first starts, so that a run resumed under a newer recipe with more sets (its
-    stages take hours) trains both drafters on the data it began with; a new --work trains on them all."""
-    pins = read_pins(work)
+    stages take hours) trains both drafters on the data it began with; a new --work trains on them all, or on the
+    first ``num_sets`` (``--sets``: the drafter of an earlier stage hours sooner, a later --work linking it)."""
+    pins, every = read_pins(work), recipe_sets(r)
+    if num_sets is not None and not 1 <= num_sets <= len(every):
+        raise SystemExit(f"falcon-vllm: train --recipe: --sets {num_sets}: this recipe has {len(every)} data sets")
+    if num_sets is not None and pins["sets"] is not None and len(pins["sets"]) != num_sets:
+        raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with {len(pins['sets'])} sets "
+                         f"({', '.join(pins['sets'])}): --sets applies to a run when it first starts (start a new "
+                         f"--work, or leave --sets out to resume this one)")
     if pins["sets"] is not None and (gone := [n for n in pins["sets"] if n not in {s["name"] for s in recipe_sets(r)}]):
         raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with the sets {pins['sets']}; this "
                          f"recipe no longer has {gone}: finish it with the version of falcon-vllm that began it, or "
                          f"start a new --work")
-    sets = began_with(r, work, pins)
+    sets = began_with(r, work, pins, num_sets)
     if pins["sets"] is None:
         write_pins(work, {**pins, "sets": [s["name"] for s in sets]})
     elif added := [s["name"] for s in recipe_sets(r) if s not in sets]:
@@ -272,14 +282,15 @@ def run_sets(r: dict, work: str, log) -> list[dict]:
     return sets
 
 
-def began_with(r: dict, work: str, pins: dict) -> list[dict]:
+def began_with(r: dict, work: str, pins: dict, num_sets: int | None = None) -> list[dict]:
     """The sets of recipe ``r`` the run in ``work`` began with (``pins``: ``read_pins``): those its pins name; every
-    set for a new run; a run begun before its sets were kept (its file holds counts alone): the sets it has begun."""
+    set for a new run (its first ``num_sets`` where given); a run begun before its sets were kept (its file holds
+    counts alone): the sets it has begun."""
     sets = recipe_sets(r)
     if pins["sets"] is not None:
         return [s for s in sets if s["name"] in pins["sets"]]
     begun = [s for s in sets if os.path.exists(os.path.join(set_dir(work, s), "manifest.json"))]
-    return begun if os.path.exists(os.path.join(work, "recipe_sets.json")) and begun else sets
+    return begun if os.path.exists(os.path.join(work, "recipe_sets.json")) and begun else sets[:num_sets]
 
 
 def pinned_count(work: str, name: str, answers: str, log) -> int:

@@ -28,6 +28,10 @@ def add_arguments(p):
     p.add_argument("--no-baseline", action="store_true",
                    help="with --recipe: train the Falcon drafter alone, without its EAGLE-1 baseline (about half the "
                         "training time); the same command without it later trains the baseline")
+    p.add_argument("--sets", type=int, default=None, metavar="N",
+                   help="with --recipe: a new run trains on the recipe's first N data sets only, and the stages on "
+                        "them (an earlier stage's drafter hours sooner); a run keeps the sets it began with "
+                        "(<work>/recipe_sets.json): a later --work linking this one's trains on more")
     p.add_argument("--no-install", action="store_true",
                    help="with --recipe: leave the trained drafters in --work instead of installing them into "
                         "falcon_vllm/drafters/ (e.g. a variant of the recipe: --recipe smollm2 --glance none)")
@@ -45,7 +49,7 @@ def recipe_overrides(args) -> dict:
     add_arguments(p)
     defaults = vars(p.parse_args([]))
     # what --recipe itself takes (besides RECIPE_FALCON_FLAGS)
-    kept = ("work", "device", "threads", "no_install", "no_baseline", "status")
+    kept = ("work", "device", "threads", "no_install", "no_baseline", "sets", "status")
     given = getattr(args, "given", None)
     given = {k: v for k, v in vars(args).items() if k in defaults and k not in kept and k != "recipe"
              and (k in given if given is not None else v != defaults[k])}
@@ -67,14 +71,15 @@ def main(args):
     if args.status and not args.recipe:
         raise SystemExit("falcon-vllm: train: --status applies to --recipe only")
     if args.status:
-        print("\n".join(recipe_status(args.recipe, args.work)))
+        print("\n".join(recipe_status(args.recipe, args.work, args.sets)))
         return 0
     if args.recipe:
         print(json.dumps(run_recipe(args.recipe, args.work, install=not args.no_install, device=args.device,
-                                    falcon_overrides=recipe_overrides(args), baseline=not args.no_baseline), indent=1))
+                                    falcon_overrides=recipe_overrides(args), baseline=not args.no_baseline,
+                                    num_sets=args.sets), indent=1))
         return 0
-    for flag in ("no_install", "no_baseline"):
-        if getattr(args, flag):
+    for flag in ("no_install", "no_baseline", "sets"):
+        if getattr(args, flag) is not None and getattr(args, flag) is not False:
             raise SystemExit(f"falcon-vllm: train: --{flag.replace('_', '-')} applies to --recipe only")
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
