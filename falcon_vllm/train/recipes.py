@@ -270,7 +270,7 @@ def run_sets(r: dict, work: str, log, num_sets: int | None = None) -> list[dict]
         raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with {len(pins['sets'])} sets "
                          f"({', '.join(pins['sets'])}): --sets applies to a run when it first starts (start a new "
                          f"--work, or leave --sets out to resume this one)")
-    if pins["sets"] is not None and (gone := [n for n in pins["sets"] if n not in {s["name"] for s in recipe_sets(r)}]):
+    if pins["sets"] is not None and (gone := [n for n in pins["sets"] if n not in {s["name"] for s in every}]):
         raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with the sets {pins['sets']}; this "
                          f"recipe no longer has {gone}: finish it with the version of falcon-vllm that began it, or "
                          f"start a new --work")
