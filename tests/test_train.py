@@ -1010,7 +1010,7 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
     train in the same two stages on the same data and head (the first set held out, the others extra); tune-tree
     fits serving.json once (a resumed run keeps it); nothing is installed (stubs: no real training)."""
     from falcon_vllm import models, tune_tree
-    from falcon_vllm.train import gen_data, recipes as trainer
+    from falcon_vllm.train import gen_data, recipe_status, recipes as trainer
     from falcon_vllm.train.answer_files import answers_meta
 
     gens, seen, fits, installed, logs, pinned_first, order = [], [], [], [], [], [], []
@@ -1139,6 +1139,8 @@ def test_qwen_recipe_featurizes_every_stored_answer_and_fits_the_tree(tmp_path, 
         trainer.run_recipe("qwen2.5-coder-1.5b", w4, log=logs.append, num_sets=4)
     with pytest.raises(SystemExit, match="--sets 8: this recipe has 7 data sets"):
         trainer.run_recipe("qwen2.5-coder-1.5b", str(tmp_path / "w5"), log=logs.append, num_sets=8)
+    with pytest.raises(SystemExit, match=r"began with 3 sets .*--sets applies to a run when it first starts"):
+        recipe_status.recipe_status("qwen2.5-coder-1.5b", w4, num_sets=4)  # --status reads the run as the run itself would
     # a run that began with fewer sets keeps them (a newer recipe's sets go to a new --work) and trains the stages
     # on those alone (here stages 1-2: drafter v3's run), its trees fitted to the last; one whose set the recipe no
     # longer has is refused

@@ -263,14 +263,8 @@ def run_sets(r: dict, work: str, log, num_sets: int | None = None) -> list[dict]
     ``<work>/recipe_sets.json`` when it first starts, so that a run resumed under a newer recipe with more sets (its
     stages take hours) trains both drafters on the data it began with; a new --work trains on them all, or on the
     first ``num_sets`` (``--sets``: the drafter of an earlier stage hours sooner, a later --work linking it)."""
-    pins, every = read_pins(work), recipe_sets(r)
-    if num_sets is not None and not 1 <= num_sets <= len(every):
-        raise SystemExit(f"falcon-vllm: train --recipe: --sets {num_sets}: this recipe has {len(every)} data sets")
-    if num_sets is not None and pins["sets"] is not None and len(pins["sets"]) != num_sets:
-        raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with {len(pins['sets'])} sets "
-                         f"({', '.join(pins['sets'])}): --sets applies to a run when it first starts (start a new "
-                         f"--work, or leave --sets out to resume this one)")
-    if pins["sets"] is not None and (gone := [n for n in pins["sets"] if n not in {s["name"] for s in every}]):
+    pins = read_pins(work)
+    if pins["sets"] is not None and (gone := [n for n in pins["sets"] if n not in {s["name"] for s in recipe_sets(r)}]):
         raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with the sets {pins['sets']}; this "
                          f"recipe no longer has {gone}: finish it with the version of falcon-vllm that began it, or "
                          f"start a new --work")
@@ -285,8 +279,15 @@ def run_sets(r: dict, work: str, log, num_sets: int | None = None) -> list[dict]
 def began_with(r: dict, work: str, pins: dict, num_sets: int | None = None) -> list[dict]:
     """The sets of recipe ``r`` the run in ``work`` began with (``pins``: ``read_pins``): those its pins name; every
     set for a new run (its first ``num_sets`` where given); a run begun before its sets were kept (its file holds
-    counts alone): the sets it has begun."""
+    counts alone): the sets it has begun.  ``num_sets`` (``--sets``) is refused where it is out of the recipe's range
+    or the run began with another number of sets."""
     sets = recipe_sets(r)
+    if num_sets is not None and not 1 <= num_sets <= len(sets):
+        raise SystemExit(f"falcon-vllm: train --recipe: --sets {num_sets}: this recipe has {len(sets)} data sets")
+    if num_sets is not None and pins["sets"] is not None and len(pins["sets"]) != num_sets:
+        raise SystemExit(f"falcon-vllm: train --recipe: the run in {work} began with {len(pins['sets'])} sets "
+                         f"({', '.join(pins['sets'])}): --sets applies to a run when it first starts (start a new "
+                         f"--work, or leave --sets out to resume this one)")
     if pins["sets"] is not None:
         return [s for s in sets if s["name"] in pins["sets"]]
     begun = [s for s in sets if os.path.exists(os.path.join(set_dir(work, s), "manifest.json"))]

@@ -79,7 +79,7 @@ def main(args):
                                     num_sets=args.sets), indent=1))
         return 0
     for flag in ("no_install", "no_baseline", "sets"):
-        if getattr(args, flag) is not None and getattr(args, flag) is not False:
+        if (value := getattr(args, flag)) is not None and value is not False:
             raise SystemExit(f"falcon-vllm: train: --{flag.replace('_', '-')} applies to --recipe only")
     if not args.data or not args.out:
         raise SystemExit("falcon-vllm: train: --data and --out are required (or --recipe)")
