@@ -49,6 +49,9 @@ def measure(target: str, batch_sizes, widths, prefix: int = 256, repeats: int = 
     import torch
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # CPU: a fixed KV cache (the steps timed need a few hundred tokens), not 92% of the machine's memory, which
+    # vLLM refuses to start without when another model (the tune-tree target, a recipe's) is already loaded
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     from falcon_vllm.vllm.engine import shutdown_llm
