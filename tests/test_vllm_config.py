@@ -132,6 +132,31 @@ def test_int8_linear_against_fp32():
     assert (err.max() if torch.cpu._is_vnni_supported() else err.median()) <= w.abs().amax() / 127 / 2 + 1e-6
 
 
+def test_int8_fusion_scales_embedding_and_state_apart():
+    """The fusion layer's input is a token embedding (entries of about 0.01) beside the target's state (a few
+    channels of 20-50): quantized with one scale per row the embedding rounds to zero, and its product with it;
+    int8_linear_split scales the two parts apart and keeps the embedding's product within int8's error."""
+    import torch
+
+    from falcon_vllm.vllm.model import int8_linear, int8_linear_split
+
+    torch.manual_seed(0)
+    H = 64
+    w = torch.randn(96, 2 * H) * 0.05
+    emb, state = torch.randn(5, H) * 0.01, torch.randn(5, H)
+    state[:, 3] = 40.0  # an outlier channel, as the target's final-norm states have
+    x = torch.cat((emb, state), dim=-1)
+    no_emb = torch.cat((torch.zeros_like(emb), state), dim=-1)
+    emb_part = emb @ w[:, :H].t()  # what the embedding contributes: the output's change when it is there
+    whole = int8_linear(w, None)
+    split = int8_linear_split(w, None, H)
+    assert (whole(x) - whole(no_emb)).norm() / emb_part.norm() < 0.1  # one scale per row: the embedding is lost
+    assert ((split(x) - split(no_emb)) - emb_part).norm() / emb_part.norm() < 0.05  # scaled apart: kept
+    x2 = torch.cat((emb, torch.randn(5, H)), dim=-1)  # without the outlier, both agree with fp32
+    ref = x2 @ w.t()
+    assert (int8_linear_split(w, None, H)(x2) - ref).norm() / ref.norm() < (0.03 if torch.cpu._is_vnni_supported() else 0.15)
+
+
 def test_default_tokens_and_chain_tree(dirs):
     assert _config(dirs, {"method": "falcon", "model": str(dirs / "good")}).speculative_config.num_speculative_tokens == 4
     sc = _config(dirs, {"method": "falcon", "model": str(dirs / "good"), "tree": "chain-6"}).speculative_config

@@ -123,6 +123,15 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     return linear
 
 
+def int8_linear_split(weight: torch.Tensor, bias: torch.Tensor | None, split: int):
+    """:func:`int8_linear` of an input made of two parts (columns ``[:split]`` and ``[split:]``), each part's rows
+    quantized with a scale of their own and the two products summed: the Falcon fusion's input is a token
+    embedding (entries of about 0.01) beside the target's final-norm state (a few channels of 20-50), and one scale
+    per row would round the whole embedding to zero."""
+    a, b = int8_linear(weight[:, :split], bias), int8_linear(weight[:, split:], None)
+    return lambda x, _w=None, _b=None: a(x[..., :split]) + b(x[..., split:])
+
+
 def wrap_gemms(model: nn.Module) -> None:
     """After vLLM processed the weights: layers cast by :func:`cast_gemm_weights` take inputs in the model's
     dtype, multiply in theirs (int8: :func:`int8_linear`, the float weights dropped) and return the model's
@@ -133,7 +142,9 @@ def wrap_gemms(model: nn.Module) -> None:
         if dt is None or inner is None or getattr(m, "falcon_gemm_wrapped", False):
             continue
         if dt == torch.int8:
-            m.cpu_linear = int8_linear(m.falcon_int8_weight, getattr(m, "bias", None))
+            split = getattr(m, "falcon_int8_split", None)  # the fusion layer: embedding and state scaled apart
+            m.cpu_linear = (int8_linear_split(m.falcon_int8_weight, getattr(m, "bias", None), split) if split
+                            else int8_linear(m.falcon_int8_weight, getattr(m, "bias", None)))
             m.weight = nn.Parameter(torch.empty(0, dtype=m.falcon_int8_weight.dtype), requires_grad=False)
             del m.falcon_int8_weight
         else:
@@ -219,6 +230,7 @@ class FalconDraftModel(nn.Module):
             self.fc = ReplicatedLinear(input_size=2 * H, output_size=H, bias=bool(falcon.get("fc_bias", False)),
                                        params_dtype=vllm_config.model_config.dtype,
                                        prefix=maybe_prefix(prefix, "fc"), return_bias=False)
+            self.fc.falcon_int8_split = H  # forward's input: the embedding's H columns, then the state's
         # level embedding (FalconConfig.level_embedding): one vector per block row, added to the fused input;
         # the proposer gives each pass its rows' offsets (set_level_offsets)
         self.level_emb = (nn.Parameter(torch.zeros(int(falcon.get("k", 2)), H, dtype=vllm_config.model_config.dtype),
