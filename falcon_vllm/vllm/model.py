@@ -48,8 +48,9 @@ def gemm_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype | None:
     the weight bytes per pass); else int8 where it has int8 dot-product units (VNNI: a quarter of the bytes; on
     2-core AVX512-BF16 CPUs without AMX the drafter's matmuls ran faster in int8 than in bf16); else bfloat16
     where it has AVX512-BF16; the model's dtype otherwise.  ``int8`` (CPU only): int8 weights with a scale per output
-    channel, inputs quantized per row as they come (vLLM's oneDNN W8A8 kernels), a quarter of fp32's weight
-    bytes.  Activations between the matmuls, the KV cache and the outputs keep the model's dtype; drafts
+    channel, inputs quantized per row as they come (the fusion layer's embedding and state apart:
+    :func:`int8_linear_split`; vLLM's oneDNN W8A8 kernels), a quarter of fp32's weight bytes.  Activations
+    between the matmuls, the KV cache and the outputs keep the model's dtype; drafts
     change slightly, verification not at all, so outputs stay exactly vanilla's."""
     check_gemm_dtype(choice, f"draft_gemm_dtype (or ${GEMM_DTYPE_ENV})")
     if choice == "model" or (choice != "int8" and model_dtype == torch.bfloat16):
