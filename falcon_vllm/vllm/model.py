@@ -343,6 +343,8 @@ class EagleD2TLlamaForCausalLM(DraftHead, EagleLlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._init_head(prefix, vllm_config.model_config.dtype, vllm_config.model_config.model)
         use_cpu_norm_kernels(self)
+        # vLLM's EAGLE-1 fuses cat(embedding, state) as Falcon does: in int8 the two parts are scaled apart
+        self.model.fc.falcon_int8_split = self.config.hidden_size
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.lm_head, hidden_states)  # [T, N] draft ids
