@@ -143,9 +143,9 @@ def wrap_gemms(model: nn.Module) -> None:
         if dt is None or inner is None or getattr(m, "falcon_gemm_wrapped", False):
             continue
         if dt == torch.int8:
-            split = getattr(m, "falcon_int8_split", None)  # the fusion layer: embedding and state scaled apart
-            m.cpu_linear = (int8_linear_split(m.falcon_int8_weight, getattr(m, "bias", None), split) if split
-                            else int8_linear(m.falcon_int8_weight, getattr(m, "bias", None)))
+            w, b, split = m.falcon_int8_weight, getattr(m, "bias", None), getattr(m, "falcon_int8_split", None)
+            # the fusion layers (falcon_int8_split): embedding and state scaled apart
+            m.cpu_linear = int8_linear_split(w, b, split) if split else int8_linear(w, b)
             m.weight = nn.Parameter(torch.empty(0, dtype=m.falcon_int8_weight.dtype), requires_grad=False)
             del m.falcon_int8_weight
         else:
