@@ -14,7 +14,9 @@ The paper hand-designed its trees.  We fit them from two measurements:
 
 For each batch size the tree size W maximising ``tau(W) / step_time(B, W)`` is chosen (W = 0, no
 speculation, is a candidate), so a large batch gets a small tree and never runs slower than plain
-decoding under the measured cost model.
+decoding under the measured cost model.  A tree whose modelled gain stays below ``--min-gain`` is not
+drafted: the model times prefill-shaped steps, a few percent off a served step (docs/training.md, "Fitting a
+tree"), and a batch size's entry serves every larger batch too.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def _clone_cache(cache, config):
     return c
 
 
-def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost: float) -> dict:
-    """For each batch size pick the tree size maximising tau / step time (0 = no speculation)."""
+def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost: float,
+                 min_gain: float = 1.0) -> dict:
+    """For each batch size pick the tree size maximising tau / step time; no speculation (0 nodes) where even that
+    tree's modelled speedup stays below ``min_gain`` (the tree it would have drafted kept under ``fitted``)."""
     results = {}
     for B in batch_sizes:
         base = cost_fn(B, 1)  # plain decoding: one token per request per step
@@ -83,6 +87,9 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
                 best = {"num_nodes": len(paths), "tau": tau, "step_s": step, "tokens_per_s_per_req": rate,
                         "paths": paths}
         best["speedup_model"] = best["tokens_per_s_per_req"] * base
+        if best["num_nodes"] and best["speedup_model"] < min_gain:
+            best = {"num_nodes": 0, "tau": 1.0, "step_s": base, "tokens_per_s_per_req": 1.0 / base, "paths": [],
+                    "speedup_model": 1.0, "fitted": {"paths": best["paths"], "speedup_model": best["speedup_model"]}}
         results[B] = best
     return results
 
@@ -120,6 +127,10 @@ def add_arguments(p):
                    help="where the verify cost of W tokens is measured: a step of the vLLM engine serving the "
                         "target (default), or a transformers forward")
     p.add_argument("--compile", action="store_true", help="--cost vllm: time the compiled engine, as served")
+    p.add_argument("--min-gain", type=float, default=1.1,
+                   help="draft at a batch size only where the best tree's modelled speedup reaches this (default "
+                        "1.1: the model times prefill-shaped steps, a few percent off a served step, and a batch "
+                        "size's entry also serves every larger batch)")
     p.add_argument("--out", required=True, help="output JSON (loadable as a tree: `tree: <file>`)")
 
 
@@ -141,6 +152,8 @@ def main(args):
     from falcon_vllm.models import chat_ids, load_chat_prompts, model_path
 
     bs, widths = sizes(args.batch_sizes, "--batch-sizes"), sizes(args.widths, "--widths")  # before any work
+    if not args.min_gain > 0:
+        raise ValueError(f"falcon-vllm: tune-tree: --min-gain must be a positive speedup such as 1.1, got {args.min_gain}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.manual_seed(0)
     tpath = args.target or str(model_path())
@@ -181,7 +194,7 @@ def main(args):
             memo[(B, W)] = verify_cost(target, B, W)
         return memo[(B, W)]
 
-    res = choose_trees(profiles, cost, tqdm(bs, desc="cost model"), widths, drafter.k, draft_cost)
+    res = choose_trees(profiles, cost, tqdm(bs, desc="cost model"), widths, drafter.k, draft_cost, args.min_gain)
     # the main tree is the largest one (vLLM's K); each batch size drafts its own (0 nodes: no speculation)
     largest = max(res.values(), key=lambda r: r["num_nodes"])
     out = {"paths": largest["paths"] or [[0]], "k": drafter.k, "by_batch_size": {str(b): r for b, r in res.items()},
@@ -193,7 +206,9 @@ def main(args):
         json.dump(out, f, indent=1)
     for b, r in res.items():
         print(f"batch {b:3d}: {r['num_nodes']:4d} nodes, expected tau {r['tau']:.2f}, "
-              f"modelled speedup {r['speedup_model']:.2f}x")
+              f"modelled speedup {r['speedup_model']:.2f}x" + (
+                  f" (its best tree, {len(r['fitted']['paths'])} nodes, modelled {r['fitted']['speedup_model']:.2f}x "
+                  f"< --min-gain {args.min_gain}: no drafts)" if "fitted" in r else ""))
     DecodingTree(out["paths"], drafter.k)  # validates
     print(f"wrote {args.out}")
     if largest["num_nodes"] == 0:

@@ -57,6 +57,18 @@ def test_choose_trees_shrinks_with_batch():
     assert res[64]["num_nodes"] == 0 and res[64]["speedup_model"] == 1.0  # never slower than plain
 
 
+def test_choose_trees_drafts_only_where_the_modelled_gain_reaches_min_gain():
+    profiles = [(0,)] * 5 + [()] * 5  # a 1-node tree: tau 1.5
+    cost = lambda B, W: 1.0 if W == 1 else 1.4  # noqa: E731  (modelled gain 1.5 / 1.4 = 1.07)
+    drafted = choose_trees(profiles, cost, [4], [1], k=2, draft_pass_cost=0.0)[4]
+    assert drafted["paths"] == [[0]] and abs(drafted["speedup_model"] - 1.5 / 1.4) < 1e-9
+    kept = choose_trees(profiles, cost, [4], [1], k=2, draft_pass_cost=0.0, min_gain=1.1)[4]
+    assert kept["paths"] == [] and kept["num_nodes"] == 0 and kept["speedup_model"] == 1.0
+    assert kept["fitted"] == {"paths": [[0]], "speedup_model": drafted["speedup_model"]}
+    cheap = lambda B, W: 1.0 if W == 1 else 1.2  # noqa: E731  (gain 1.25: drafted under the margin too)
+    assert choose_trees(profiles, cheap, [4], [1], k=2, draft_pass_cost=0.0, min_gain=1.1)[4]["paths"] == [[0]]
+
+
 def test_rank_profile_random_drafter_runs():
     tgt = tiny_llama()
     d = random_drafter(tgt, k=3)
