@@ -89,7 +89,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
 from harness.machine import cpu_name  # noqa: E402
-from harness.paths import RESULTS, ROOT, portable  # noqa: E402
+from harness.paths import RESULTS, ROOT, portable, portable_text  # noqa: E402
 
 DRAFTERS = os.path.join(ROOT, "falcon_vllm", "drafters")
 VLLM_METHODS = ("vanilla", "falcon-chain", "falcon-lookup", "falcon-tree", "eagle", "ngram", "draft-model")
@@ -448,7 +448,7 @@ def bench(args) -> tuple[list[dict], list[dict]]:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     data = {d: load_chat_prompts(d, args.num_prompts) for d in args.datasets}
-    command = " ".join(shlex.quote(x) for x in args.argv0 + args.argv)
+    command = portable_text(" ".join(shlex.quote(x) for x in args.argv0 + args.argv))
     mach = machine(args)
     rows, skipped, tokens_by = [], [], {}
     steps = plan(args)
