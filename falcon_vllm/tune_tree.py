@@ -153,7 +153,8 @@ def main(args):
 
     bs, widths = sizes(args.batch_sizes, "--batch-sizes"), sizes(args.widths, "--widths")  # before any work
     if not args.min_gain > 0:
-        raise ValueError(f"falcon-vllm: tune-tree: --min-gain must be a positive speedup such as 1.1, got {args.min_gain}")
+        raise ValueError(f"falcon-vllm: tune-tree: --min-gain must be a speedup above 0 (e.g. 1.1), "
+                         f"got {args.min_gain}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.manual_seed(0)
     tpath = args.target or str(model_path())
