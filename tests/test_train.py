@@ -1350,8 +1350,8 @@ def test_recipe_status_answering_left(tmp_path):
                  "max_turns": 2, "loss_from_turn": 2})
     assert lines([100, 50, 30]) == [
         f"answering: about {140 * 100 / 50 / 3600:.1f} h left for 140 conversations at 50.0 answer tokens/s (100 a "
-        "conversation; the last 4 shards answered)", "answering (turn 2): 30 conversations to answer (no rate "
-        "measured yet)"]
+        "conversation; the last 4 shards answered)", "answering (turn 2): 30 conversations to continue (those with a "
+        "later question answered) (no rate measured yet)"]
 
 
 # the flags of `falcon-vllm train` that are not TrainConfig fields: the command's own

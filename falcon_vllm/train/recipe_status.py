@@ -48,7 +48,8 @@ def recipe_status(name: str, work: str, num_sets: int | None = None) -> list[str
         lines.append(f"data {s['name'] or '.'}: {have} of {n} conversations featurized "
                      f"({len(shards)} of {math.ceil(n / r['shard_size'])} shards)"
                      + (" (all its answers file holds now; fixed when the run starts)" if growing else "")
-                     + (f" ({n - stored} to answer first: {s['answers']} holds {stored})" if stored < n else ""))
+                     + (f" ({n - stored} to {'continue' if s.get('continues') else 'answer'} first: {s['answers']} "
+                        f"holds {stored})" if stored < n else ""))
         if have < n:
             todo.append("data")
     if left_convs and per_conv and sum(p[2] for p in prefills):
@@ -111,6 +112,8 @@ def answering_line(work: str, sets: list, label: str) -> list[str]:
                     sh["conversations"]) for sh in written_shards(d) if sh.get("generate_s") and "answer_tokens" in sh]
     if not left:
         return []
+    # a later turn's set counts every conversation it continues; only those with a later question get an answer
+    verb = "continue (those with a later question answered)" if any(s.get("continues") for s, _ in sets) else "answer"
     if shards:
         recent = sorted(shards)[-4:]
         tokens, seconds, convs = (sum(x[i] for x in recent) for i in (1, 2, 3))
@@ -119,7 +122,7 @@ def answering_line(work: str, sets: list, label: str) -> list[str]:
         tokens, seconds, convs = last["answer_tokens"], last["seconds"], last["conversations"]
         how = f"{last['dtype']}, the last run that answered"
     else:
-        return [f"{label}: {left} conversations to answer (no rate measured yet)"]
+        return [f"{label}: {left} conversations to {verb} (no rate measured yet)"]
     rate, per_conv = tokens / seconds, tokens / convs
     return [f"{label}: about {left * per_conv / rate / 3600:.1f} h left for {left} conversations at {rate:.1f} "
             f"answer tokens/s ({per_conv:.0f} a conversation; {how})"]
