@@ -75,7 +75,8 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
     results = {}
     for B in batch_sizes:
         base = cost_fn(B, 1)  # plain decoding: one token per request per step
-        best = {"num_nodes": 0, "tau": 1.0, "step_s": base, "tokens_per_s_per_req": 1.0 / base, "paths": []}
+        plain = {"num_nodes": 0, "tau": 1.0, "step_s": base, "tokens_per_s_per_req": 1.0 / base, "paths": []}
+        best = plain
         for W in widths:
             paths, tau = best_tree(profiles, W)
             if not paths:
@@ -88,8 +89,8 @@ def choose_trees(profiles, cost_fn, batch_sizes, widths, k: int, draft_pass_cost
                         "paths": paths}
         best["speedup_model"] = best["tokens_per_s_per_req"] * base
         if best["num_nodes"] and best["speedup_model"] < min_gain:
-            best = {"num_nodes": 0, "tau": 1.0, "step_s": base, "tokens_per_s_per_req": 1.0 / base, "paths": [],
-                    "speedup_model": 1.0, "fitted": {"paths": best["paths"], "speedup_model": best["speedup_model"]}}
+            best = {**plain, "speedup_model": 1.0,
+                    "fitted": {"paths": best["paths"], "speedup_model": best["speedup_model"]}}
         results[B] = best
     return results
 

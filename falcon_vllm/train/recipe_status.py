@@ -112,8 +112,6 @@ def answering_line(work: str, sets: list, label: str) -> list[str]:
                     sh["conversations"]) for sh in written_shards(d) if sh.get("generate_s") and "answer_tokens" in sh]
     if not left:
         return []
-    # a later turn's set counts every conversation it continues; only those with a later question get an answer
-    verb = "continue (those with a later question answered)" if any(s.get("continues") for s, _ in sets) else "answer"
     if shards:
         recent = sorted(shards)[-4:]
         tokens, seconds, convs = (sum(x[i] for x in recent) for i in (1, 2, 3))
@@ -121,7 +119,9 @@ def answering_line(work: str, sets: list, label: str) -> list[str]:
     elif last is not None:
         tokens, seconds, convs = last["answer_tokens"], last["seconds"], last["conversations"]
         how = f"{last['dtype']}, the last run that answered"
-    else:
+    else:  # a later turn's set counts every conversation it continues; only those with a later question are answered
+        later = any(s.get("continues") for s, _ in sets)
+        verb = "continue (those with a later question answered)" if later else "answer"
         return [f"{label}: {left} conversations to {verb} (no rate measured yet)"]
     rate, per_conv = tokens / seconds, tokens / convs
     return [f"{label}: about {left * per_conv / rate / 3600:.1f} h left for {left} conversations at {rate:.1f} "
